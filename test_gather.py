@@ -1,0 +1,417 @@
+"""Tests for gather_utils.py, run on every rank of a real process group.
+
+    torchrun --nproc_per_node 3 test_gather.py                  # gloo, CPU tensors
+    torchrun --nproc_per_node 2 test_gather.py --device cuda    # gloo, CUDA tensors
+    torchrun --nproc_per_node 1 test_gather.py --backend nccl   # NCCL (one process per GPU)
+
+Rank 0 prints each failing check and, last, `N passed, N failed`; the exit code is non-zero
+on any failure. pytest collects this file too: its `test_*` functions start torchrun for
+world sizes 1 to 4 on gloo, run every check in-process without a process group (a world of
+one), and run the GPU variants when CUDA is present.
+"""
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
+
+import gather_utils as gu
+
+ALL_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: each runs on every rank with the same arguments. Each rank builds its own input from
+# its rank, so every rank also knows what the others sent and what the result must be.
+
+
+def rows_for(rank, device, dtype=torch.float32, width=3):
+    """Rank r sends (r + 1) % 3 rows (rank 2 sends none), each row filled from the rank number."""
+    n = (rank + 1) % 3
+    values = torch.arange(n * width, dtype=torch.float64).view(n, width) + 100 * rank
+    return values.to(dtype).to(device)
+
+
+def expected_concat(world, device, dtype=torch.float32, width=3):
+    return torch.cat([rows_for(r, device, dtype, width) for r in range(world)])
+
+
+def check_get_rank_and_world_size(device, group=None):
+    expected = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    assert (gu.get_rank(group), gu.get_world_size(group)) == expected
+
+
+def check_all_gather_concat_uneven(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    out = gu.all_gather_concat(rows_for(rank, device), group)
+    assert torch.equal(out, expected_concat(world, device)), out
+    assert out.device == rows_for(rank, device).device
+
+
+def check_all_gather_concat_equal(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    local = torch.full((4, 2), float(rank), device=device)
+    out = gu.all_gather_concat(local, group)
+    assert torch.equal(out, torch.arange(world, device=device).repeat_interleave(4).float()[:, None].expand(-1, 2))
+
+
+def check_all_gather_concat_every_dtype(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    for dtype in ALL_DTYPES:
+        out = gu.all_gather_concat(rows_for(rank, device, dtype), group)
+        assert out.dtype == dtype, dtype
+        assert torch.equal(out, expected_concat(world, device, dtype)), dtype
+
+
+def check_all_gather_concat_zero_dim(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    out = gu.all_gather_concat(torch.tensor(rank * 1.5, device=device), group)
+    assert torch.equal(out, torch.arange(world, device=device) * 1.5)
+
+
+def check_all_gather_concat_non_contiguous_and_input_unchanged(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    local = rows_for(rank, device, width=4)[:, ::2]
+    assert local.numel() == 0 or not local.is_contiguous()
+    before = local.clone()
+    out = gu.all_gather_concat(local, group)
+    assert torch.equal(out, expected_concat(world, device, width=4)[:, ::2])
+    assert torch.equal(local, before)
+    out.add_(1)  # the result must not alias the input, even in a world of one
+    assert torch.equal(local, before)
+
+
+def check_all_gather_concat_async(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    handle = gu.all_gather_concat(rows_for(rank, device), group, async_op=True)
+    assert isinstance(handle, gu.GatherHandle)
+    overlapped = torch.ones(64, 64, device=device) @ torch.ones(64, 64, device=device)
+    out = handle.wait()
+    assert handle.is_completed()
+    assert torch.equal(out, expected_concat(world, device))
+    assert handle.wait() is out
+    assert overlapped[0, 0].item() == 64
+
+
+def check_all_gather_tensors_any_shape(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+
+    def tensor_for(r):  # rank 0 sends a 0-d tensor, rank 1 an empty one, rank r > 1 has r dims
+        if r == 0:
+            return torch.tensor(7, device=device)
+        if r == 1:
+            return torch.zeros(0, 2, dtype=torch.int64, device=device)
+        return torch.arange(2**r, device=device).view([2] * r)
+
+    out = gu.all_gather_tensors(tensor_for(rank), group)
+    assert len(out) == world
+    for r in range(world):
+        assert out[r].shape == tensor_for(r).shape, (r, out[r].shape)
+        assert torch.equal(out[r], tensor_for(r))
+
+
+def check_all_gather_object(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+
+    def obj_for(r):
+        return None if r == 1 else {"rank": r, "name": "x" * r, "t": torch.full((r,), float(r))}
+
+    local = obj_for(rank)
+    if local is not None:
+        local["t"] = local["t"].to(device)
+    out = gu.all_gather_object(local, group)
+    assert len(out) == world
+    for r in range(world):
+        want = obj_for(r)
+        if want is None:
+            assert out[r] is None
+            continue
+        assert out[r]["rank"] == r and out[r]["name"] == want["name"]
+        assert out[r]["t"].device.type == "cpu"  # never another rank's GPU
+        assert torch.equal(out[r]["t"], want["t"])
+
+
+def check_all_reduce_mean_tensor(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    mean = sum(range(world)) / world
+    local = torch.full((2, 3), float(rank), device=device, requires_grad=True) * 1  # a live tensor
+    out = gu.all_reduce_mean(local, group)
+    assert not out.requires_grad and out.shape == (2, 3) and out.dtype == torch.float32
+    assert torch.allclose(out, torch.full((2, 3), mean, device=device))
+    assert torch.equal(local, torch.full((2, 3), float(rank), device=device))  # input untouched
+    ints = gu.all_reduce_mean(torch.tensor([rank, 1], device=device), group)
+    assert ints.dtype == torch.float64 and ints.tolist() == [mean, 1.0]
+    half = gu.all_reduce_mean(torch.tensor(float(rank), dtype=torch.bfloat16, device=device), group)
+    assert half.dtype == torch.bfloat16 and half.item() == pytest.approx(mean, rel=1e-2)
+
+
+def check_all_reduce_mean_dict(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    # Keys in a different order on each rank; a count that float32 could not hold exactly.
+    items = [("count", 2**40 + rank), ("loss", torch.tensor(float(rank), device=device)), ("flag", True)]
+    local = dict(items[rank % 3 :] + items[: rank % 3])
+    out = gu.all_reduce_mean(local, group)
+    assert list(out) == list(local)
+    assert all(isinstance(v, float) for v in out.values())
+    assert out["count"] == (world * 2**40 + sum(range(world))) / world
+    assert out["loss"] == sum(range(world)) / world and out["flag"] == 1.0
+
+
+def gather_for_metrics_case(device, group, num_samples, shuffle):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    sampler = DistributedSampler(range(num_samples), num_replicas=world, rank=rank, shuffle=shuffle, seed=3)
+    indices = torch.tensor(list(iter(sampler)), dtype=torch.int64)
+    # Row i is the "prediction" for sample i: two columns, recoverable from i alone.
+    results = torch.stack([indices * 10, indices % 7], dim=1).to(device)
+    out = gu.gather_for_metrics(results, indices.to(device), num_samples, group)
+    want = torch.stack([torch.arange(num_samples) * 10, torch.arange(num_samples) % 7], dim=1)
+    assert out.shape == (num_samples, 2) and out.device == results.device
+    assert torch.equal(out.cpu(), want)
+
+
+def check_gather_for_metrics_drops_sampler_padding(device, group=None):
+    for num_samples in (1, 2, 5, 11, 12):  # not divisible by 2, 3 or 4, and below the world size
+        for shuffle in (False, True):
+            gather_for_metrics_case(device, group, num_samples, shuffle)
+
+
+def expect_error(exc_type, fn, *words):
+    with pytest.raises(exc_type) as info:
+        fn()
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def check_group_still_works(device, group=None):
+    """After a raised error, the next collective on the same group must still line up."""
+    check_all_gather_concat_uneven(device, group)
+    check_all_reduce_mean_dict(device, group)
+
+
+def check_bad_input_dtype_mismatch(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    local = torch.zeros(2, 3, device=device, dtype=torch.float32 if rank else torch.float64)
+    expect_error(ValueError, lambda: gu.all_gather_concat(local, group), "rank 0: float64[2, 3]", f"rank {world - 1}: float32[2, 3]")
+    expect_error(ValueError, lambda: gu.all_gather_tensors(local, group), "same dtype", "rank 0: float64")
+    expect_error(ValueError, lambda: gu.all_reduce_mean(local, group), "same shape and dtype")
+    check_group_still_works(device, group)
+
+
+def check_bad_input_trailing_shape_mismatch(device, group=None):
+    rank = gu.get_rank(group)
+    local = torch.zeros(2, 3 + rank, device=device)
+    expect_error(ValueError, lambda: gu.all_gather_concat(local, group), "rank 0: float32[2, 3]", "rank 1: float32[2, 4]")
+    check_group_still_works(device, group)
+
+
+def check_bad_input_ndim_mismatch_same_numel(device, group=None):
+    rank = gu.get_rank(group)
+    local = torch.zeros(6, device=device) if rank == 1 else torch.zeros(2, 3, device=device)
+    expect_error(ValueError, lambda: gu.all_gather_concat(local, group), "rank 0: float32[2, 3]", "rank 1: float32[6]")
+    expect_error(ValueError, lambda: gu.all_reduce_mean(local, group), "rank 1: float32[6]")
+    check_group_still_works(device, group)
+
+
+def check_bad_input_not_a_tensor_on_one_rank(device, group=None):
+    rank = gu.get_rank(group)
+    local = [1, 2, 3] if rank == 1 else torch.zeros(3, device=device)
+    for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
+        if rank == 1:
+            expect_error(TypeError, lambda: fn(local, group), "expected a torch.Tensor, got list")
+        else:
+            expect_error(ValueError, lambda: fn(local, group), "rank 1 passed invalid input")
+    if rank == 1:
+        expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0, group), "could not pickle")
+    else:
+        expect_error(ValueError, lambda: gu.all_gather_object(rank, group), "rank 1 passed invalid input")
+    check_group_still_works(device, group)
+
+
+def check_bad_input_dict_keys_differ(device, group=None):
+    rank = gu.get_rank(group)
+    local = {"loss": 1.0, "extra": 2.0} if rank == 1 else {"loss": 1.0}
+    expect_error(ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']")
+    if rank == 1:
+        expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}, group), "str -> number")
+    else:
+        expect_error(ValueError, lambda: gu.all_reduce_mean({"loss": 1.0}, group), "rank 1 passed invalid input")
+    check_group_still_works(device, group)
+
+
+def check_bad_input_gather_for_metrics(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    results = torch.zeros(2, 1, device=device)
+    own = torch.tensor([rank, rank + world], device=device)  # together: range(2 * world)
+    expect_error(ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world + 1, group), "held by no rank", f"[{2 * world}]")
+    expect_error(ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world - 1, group), f"holds index {2 * world - 1}")
+    expect_error(ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world + rank, group), "num_samples")
+    short = own[:1] if rank == 1 else own
+    if rank == 1:
+        expect_error(ValueError, lambda: gu.gather_for_metrics(results, short, 2 * world, group), "1 indices for 2 result rows")
+    else:
+        expect_error(ValueError, lambda: gu.gather_for_metrics(results, short, 2 * world, group), "rank 1 passed invalid input")
+    check_group_still_works(device, group)
+
+
+def check_subgroup(device, group=None):
+    """Ranks 1..world-1 form a subgroup (rank 0 alone in a world of one); every check runs on it."""
+    world = dist.get_world_size()
+    members = list(range(1, world)) or [0]
+    sub = dist.new_group(members)
+    if dist.get_rank() not in members:
+        return
+    assert gu.all_gather_concat(torch.tensor([dist.get_rank()], device=device), sub).tolist() == members
+    for check in CHECKS:
+        check(device, sub)
+
+
+CHECKS = [
+    check_get_rank_and_world_size,
+    check_all_gather_concat_uneven,
+    check_all_gather_concat_equal,
+    check_all_gather_concat_every_dtype,
+    check_all_gather_concat_zero_dim,
+    check_all_gather_concat_non_contiguous_and_input_unchanged,
+    check_all_gather_concat_async,
+    check_all_gather_tensors_any_shape,
+    check_all_gather_object,
+    check_all_reduce_mean_tensor,
+    check_all_reduce_mean_dict,
+    check_gather_for_metrics_drops_sampler_padding,
+]
+# These need at least two ranks to disagree.
+MULTI_RANK_CHECKS = [
+    check_bad_input_dtype_mismatch,
+    check_bad_input_trailing_shape_mismatch,
+    check_bad_input_ndim_mismatch_same_numel,
+    check_bad_input_not_a_tensor_on_one_rank,
+    check_bad_input_dict_keys_differ,
+    check_bad_input_gather_for_metrics,
+]
+# Needs an initialized process group to make a subgroup from.
+DISTRIBUTED_CHECKS = [check_subgroup]
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torchrun: run every check on every rank and report on rank 0.
+
+
+def run_checks(device):
+    checks = CHECKS + DISTRIBUTED_CHECKS + (MULTI_RANK_CHECKS if dist.get_world_size() > 1 else [])
+    failures = {}
+    for check in checks:
+        try:
+            check(device)
+        except Exception:
+            failures[check.__name__] = traceback.format_exc(limit=-3)
+    # torch's own all_gather_object: the report must not depend on the code under test.
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, failures)
+    failed = sorted({name for f in every_rank for name in f})
+    if dist.get_rank() == 0:
+        for name in failed:
+            ranks = [r for r, f in enumerate(every_rank) if name in f]
+            print(f"FAILED {name} on rank {ranks}:\n{every_rank[ranks[0]][name]}", flush=True)
+        print(f"{len(checks) - len(failed)} passed, {len(failed)} failed", flush=True)
+    return not failed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, else cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
+    if device.type == "cuda":
+        # gloo may put several ranks on one GPU; NCCL needs one GPU per rank.
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    # A short timeout: a check that breaks the collectives' alignment fails in a minute, not 30.
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=60))
+    try:
+        ok = run_checks(device)
+    finally:
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Under pytest.
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def torchrun(nproc, *args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # --standalone rendezvouses on a free local port, so parallel runs never collide.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(__file__) or ".")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.endswith(" passed, 0 failed"), output
+    return int(last.split()[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_torchrun_gloo_cpu(world):
+    passed = torchrun(world)
+    assert passed == len(CHECKS + DISTRIBUTED_CHECKS) + (len(MULTI_RANK_CHECKS) if world > 1 else 0)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_world_of_one_without_init(check):
+    assert not dist.is_initialized()
+    check(torch.device("cpu"))
+
+
+def test_world_of_one_bad_input():
+    assert not dist.is_initialized()
+    for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
+        expect_error(TypeError, lambda: fn([1, 2]), "expected a torch.Tensor, got list")
+    expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0), "could not pickle")
+    expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}), "str -> number")
+    results, indices = torch.zeros(2, 1), torch.tensor([0, 1])
+    expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 3), "held by no rank", "[2]")
+    expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 1), "holds index 1")
+    expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices[:1], 2), "1 indices for 2 result rows")
+
+
+@pytest.mark.timeout(120)
+def test_gather_utils_copied_alone_into_an_empty_folder(tmp_path):
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gather_utils.py")
+    with open(source) as f, open(tmp_path / "gather_utils.py", "w") as g:
+        g.write(f.read())
+    code = "import gather_utils, torch; print(gather_utils.all_gather_concat(torch.ones(2, 3)).shape)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "torch.Size([2, 3])"
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_torchrun_nccl():
+    torchrun(torch.cuda.device_count(), "--backend", "nccl")
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_torchrun_gloo_cuda_tensors():
+    torchrun(2, "--backend", "gloo", "--device", "cuda")
+
+
+if __name__ == "__main__":
+    main()
