@@ -40,6 +40,9 @@ _HEADER_LEN = 16
 _MAX_NDIM = _HEADER_LEN - 4
 # Backends whose list-form all_gather accepts different sizes per rank (gloo raises).
 _UNEVEN_BACKENDS = ("nccl",)
+# On gloo, uneven payloads of at least this many bytes in all move as one broadcast per rank
+# rather than one padded all-gather (measured by bench_gather.py).
+_BROADCAST_MIN_BYTES = 1 << 20
 
 
 def _initialized():
@@ -63,18 +66,18 @@ class GatherHandle:
     tensor on every later call). `is_completed()` asks without blocking.
     """
 
-    def __init__(self, work, finish):
-        self._work = work
+    def __init__(self, works, finish):
+        self._works = works
         self._finish = finish
         self._result = None
 
     def is_completed(self):
-        return self._result is not None or self._work is None or self._work.is_completed()
+        return self._result is not None or all(w.is_completed() for w in self._works)
 
     def wait(self):
         if self._result is None:
-            if self._work is not None:
-                self._work.wait()
+            for work in self._works:
+                work.wait()
             self._result = self._finish()
         return self._result
 
@@ -86,12 +89,13 @@ def all_gather_concat(tensor, group=None, async_op=False):
     on the input's device. Dim-0 sizes may differ (0 included); the other sizes and the dtype
     must match on every rank. A 0-d tensor counts as shape (1,). The input is never modified.
 
-    Collectives: 2, a header all-gather and the data all-gather. Equal sizes gather straight
-    into the result; on NCCL uneven sizes do too; on gloo each rank's data is padded once,
-    in place in the gather buffer, and the padding trimmed after.
+    Collectives: a header all-gather, then the data: one all-gather when sizes are equal
+    (straight into the result) or on NCCL; on gloo, uneven sizes under 1 MiB in all pad once
+    into one all-gather, and larger ones move as one broadcast per rank (no padding).
 
     With `async_op=True` it returns a `GatherHandle` once the data all-gather is in flight;
-    its `wait()` returns the result, so you can overlap compute with the transfer.
+    its `wait()` returns the result, so you can overlap compute with the transfer. Leave the
+    input unchanged until then.
 
     Raises on every rank: TypeError on a rank that passed a non-tensor (ValueError naming that
     rank on the others), ValueError when dtypes or sizes after dim 0 differ between ranks.
@@ -109,12 +113,13 @@ def all_gather_concat(tensor, group=None, async_op=False):
     row_shape = shapes[0][1:]
     row_bytes = math.prod(row_shape) * flat.element_size()
     counts = [s[0] for s in shapes]
-    work, finish = _gather_bytes(_as_bytes(flat, device), [n * row_bytes for n in counts], group, async_op)
-
-    def result():
-        return finish().view(flat.dtype).view(sum(counts), *row_shape).to(tensor.device)
-
-    return GatherHandle(work, result) if async_op else result()
+    handle = _gather_bytes(
+        _as_bytes(flat, device),
+        [n * row_bytes for n in counts],
+        group,
+        then=lambda packed: packed.view(flat.dtype).view(sum(counts), *row_shape).to(tensor.device),
+    )
+    return handle if async_op else handle.wait()
 
 
 def all_gather_tensors(tensor, group=None):
@@ -124,7 +129,7 @@ def all_gather_tensors(tensor, group=None):
     any size, and the number of dims, may differ between ranks, but the dtype must match.
     The tensors are views into one buffer holding all ranks' data.
 
-    Collectives: 2, a header all-gather and the data all-gather (padded on gloo, as above).
+    Collectives: a header all-gather, then the data as in `all_gather_concat`.
 
     Raises on every rank: TypeError on a rank that passed a non-tensor (ValueError naming that
     rank on the others), ValueError when the dtypes differ.
@@ -136,8 +141,7 @@ def all_gather_tensors(tensor, group=None):
         raise ValueError(f"{name}: every rank needs the same dtype; got " + _describe(rows))
     shapes = _shapes(rows)
     sizes = [math.prod(s) * tensor.element_size() for s in shapes]
-    _, finish = _gather_bytes(_as_bytes(tensor, device), sizes, group, async_op=False)
-    chunks = finish().split(sizes)
+    chunks = _gather_bytes(_as_bytes(tensor, device), sizes, group).wait().split(sizes)
     return [c.view(tensor.dtype).view(s).to(tensor.device) for c, s in zip(chunks, shapes)]
 
 
@@ -147,7 +151,8 @@ def all_gather_object(obj, group=None):
     Every rank gets the same list of `world_size` objects in rank order. Tensors inside the
     objects arrive on the CPU, so nothing lands on another rank's GPU.
 
-    Collectives: 2 (header and data), always over gloo on the CPU, so it never needs
+    Collectives: a header all-gather, then the data as in `all_gather_concat`, always over gloo
+    on the CPU, so it never needs
     `torch.cuda.set_device`. On a group whose backend has no gloo part (plain NCCL), the first
     call creates a gloo group over the same ranks and reuses it afterwards.
 
@@ -164,8 +169,8 @@ def all_gather_object(obj, group=None):
     cpu = torch.device("cpu")
     rows = _exchange_headers(name, payload, cpu_group, cpu, error=error)
     sizes = [s[0] for s in _shapes(rows)]
-    _, finish = _gather_bytes(payload, sizes, cpu_group, async_op=False)
-    return [pickle.loads(c.numpy().tobytes()) for c in finish().split(sizes)]
+    chunks = _gather_bytes(payload, sizes, cpu_group).wait().split(sizes)
+    return [pickle.loads(c.numpy().tobytes()) for c in chunks]
 
 
 def all_reduce_mean(value, group=None):
@@ -221,7 +226,7 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     duplicates a `DistributedSampler` pads with dropped (when a sample appears more than once,
     one of its rows is kept). Works when `num_samples` is smaller than the world size.
 
-    Collectives: 2, a header all-gather and one data all-gather carrying results and indices.
+    Collectives: a header all-gather, then results and indices together as in `all_gather_concat`.
 
     Raises on every rank: ValueError when dtypes, sizes after dim 0 or `num_samples` differ
     between ranks, when an index is outside `range(num_samples)`, or when a sample is held by no
@@ -245,11 +250,12 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     index_bytes = torch.as_tensor(indices).to(device=device, dtype=torch.int64).view(torch.uint8)
     payload = torch.cat([_as_bytes(results, device), index_bytes])
     counts = [s[0] for s in shapes]
-    _, finish = _gather_bytes(payload, [n * (row_bytes + 8) for n in counts], group, async_op=False)
+    sizes = [n * (row_bytes + 8) for n in counts]
+    packed = _gather_bytes(payload, sizes, group).wait()
 
     out = torch.empty(num_samples, row_bytes, dtype=torch.uint8, device=device)
     seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
-    for rank, chunk in enumerate(finish().split([n * (row_bytes + 8) for n in counts])):
+    for rank, chunk in enumerate(packed.split(sizes)):
         n = counts[rank]
         # clone() realigns the index bytes: they may start at an offset that int64 cannot view.
         rank_indices = chunk[n * row_bytes :].clone().view(torch.int64)
@@ -317,7 +323,7 @@ def _exchange_headers(name, tensor, group, device, error=None, extra=0):
     else:
         local = torch.tensor(header, dtype=torch.int64, device=device)
         gathered = torch.empty(world * _HEADER_LEN, dtype=torch.int64, device=device)
-        _all_gather_equal(gathered, local, group, async_op=False)
+        _all_gather_equal(gathered, local, group).wait()
         rows = gathered.view(world, _HEADER_LEN).tolist()
     if error is not None:
         raise error
@@ -354,40 +360,50 @@ def _as_bytes(tensor, device):
     return tensor.detach().to(device).contiguous().view(-1).view(torch.uint8)
 
 
-def _all_gather_equal(out, inp, group, async_op):
-    """All-gather equal-size `inp` from every rank into `out`, with this torch's best collective."""
+def _all_gather_equal(out, inp, group):
+    """Start an all-gather of equal-size `inp` from every rank into `out`, with this torch's best collective."""
     if hasattr(dist, "all_gather_single"):  # torch >= 2.13
-        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+        return dist.all_gather_single(out, inp, group=group, async_op=True)
     if hasattr(dist, "all_gather_into_tensor"):  # torch 1.13 to 2.12
-        return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
-    return dist.all_gather(list(out.split(inp.numel())), inp, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+    return dist.all_gather(list(out.split(inp.numel())), inp, group=group, async_op=True)
 
 
-def _gather_bytes(local, sizes, group, async_op):
-    """Start gathering every rank's flat uint8 data, `sizes[r]` bytes from rank r, in one collective.
+def _gather_bytes(local, sizes, group, then=lambda packed: packed):
+    """Start gathering every rank's flat uint8 data, `sizes[r]` bytes from rank r.
 
-    Returns (work, finish): `work` is the in-flight collective (None when nothing moves) and
-    `finish()`, called after it completes, returns all ranks' bytes concatenated in rank order.
+    Returns a GatherHandle whose `wait()` gives `then(packed)`, where `packed` holds all ranks'
+    bytes concatenated in rank order.
     """
     world, largest = len(sizes), max(sizes)
     if world == 1:
-        return None, local.clone
-    if largest == min(sizes) or dist.get_backend(group) in _UNEVEN_BACKENDS:
-        out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
-        if largest == min(sizes):
-            work = _all_gather_equal(out, local, group, async_op)
-        else:
-            work = dist.all_gather(list(out.split(sizes)), local, group=group, async_op=async_op)
-        return work, lambda: out
-    # gloo needs equal sizes: write this rank's data once into its slot of a padded buffer and
-    # gather in place, then copy the real bytes out.
-    rank = dist.get_rank(group)
-    padded = torch.empty(world * largest, dtype=torch.uint8, device=local.device)
-    mine = padded[rank * largest : (rank + 1) * largest]
-    mine[: sizes[rank]] = local
-    work = _all_gather_equal(padded, mine, group, async_op)
-
-    return work, lambda: torch.cat([padded[r * largest : r * largest + n] for r, n in enumerate(sizes)])
+        return GatherHandle([], lambda: then(local.clone()))
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
+    if largest == min(sizes):
+        works = [_all_gather_equal(out, local, group)]
+    elif dist.get_backend(group) in _UNEVEN_BACKENDS:
+        works = [dist.all_gather(list(out.split(sizes)), local, group=group, async_op=True)]
+    elif sum(sizes) >= _BROADCAST_MIN_BYTES:
+        # gloo: padding would move world * largest bytes; one broadcast per rank moves each
+        # rank's bytes once, and pays for it in per-collective latency (see bench_gather.py).
+        parts = out.split(sizes)
+        parts[dist.get_rank(group)].copy_(local)
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        works = [
+            dist.broadcast(part, src=ranks[r], group=group, async_op=True)
+            for r, part in enumerate(parts)
+            if part.numel()
+        ]
+    else:
+        # gloo, small: pad once, in place in this rank's slot of the gather buffer.
+        rank = dist.get_rank(group)
+        padded = torch.empty(world * largest, dtype=torch.uint8, device=local.device)
+        mine = padded[rank * largest : (rank + 1) * largest]
+        mine[: sizes[rank]] = local
+        works = [_all_gather_equal(padded, mine, group)]
+        trimmed = [padded[r * largest : r * largest + n] for r, n in enumerate(sizes)]
+        return GatherHandle(works, lambda: then(torch.cat(trimmed, out=out)))
+    return GatherHandle(works, lambda: then(out))
 
 
 def _all_reduce_sum(tensor, group):

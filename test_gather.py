@@ -58,6 +58,13 @@ def check_all_gather_concat_uneven(device, group=None):
     assert out.device == rows_for(rank, device).device
 
 
+def check_all_gather_concat_uneven_large(device, group=None):
+    """Over 1 MiB in all: on gloo this takes the one-broadcast-per-rank path."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    out = gu.all_gather_concat(rows_for(rank, device, width=100_000), group)
+    assert torch.equal(out, expected_concat(world, device, width=100_000))
+
+
 def check_all_gather_concat_equal(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     local = torch.full((4, 2), float(rank), device=device)
@@ -278,6 +285,7 @@ def check_subgroup(device, group=None):
 CHECKS = [
     check_get_rank_and_world_size,
     check_all_gather_concat_uneven,
+    check_all_gather_concat_uneven_large,
     check_all_gather_concat_equal,
     check_all_gather_concat_every_dtype,
     check_all_gather_concat_zero_dim,
