@@ -107,8 +107,7 @@ def all_gather_concat(tensor, group=None, async_op=False):
     dtypes, shapes = _dtypes(rows), _shapes(rows)
     if len(set(dtypes)) > 1 or len({s[1:] for s in shapes}) > 1:
         raise ValueError(
-            f"{name}: every rank needs the same dtype and the same sizes after dim 0; got "
-            + _describe(rows)
+            f"{name}: every rank needs the same dtype and the same sizes after dim 0; got " + _describe(rows)
         )
     row_shape = shapes[0][1:]
     row_bytes = math.prod(row_shape) * flat.element_size()
@@ -237,7 +236,9 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     name = "gather_for_metrics"
     device = _comm_device(group)
     error = _check_metrics_args(name, results, indices, num_samples)
-    rows = _exchange_headers(name, results, group, device, error=error, extra=num_samples if error is None else 0)
+    rows = _exchange_headers(
+        name, results, group, device, error=error, extra=num_samples if error is None else 0
+    )
     dtypes, shapes = _dtypes(rows), _shapes(rows)
     if len(set(dtypes)) > 1 or len({(s[1:], row[3]) for s, row in zip(shapes, rows)}) > 1:
         raise ValueError(
@@ -361,7 +362,7 @@ def _as_bytes(tensor, device):
 
 
 def _all_gather_equal(out, inp, group):
-    """Start an all-gather of equal-size `inp` from every rank into `out`, with this torch's best collective."""
+    """Start an all-gather of equal-size `inp` from every rank into `out` with the best collective."""
     if hasattr(dist, "all_gather_single"):  # torch >= 2.13
         return dist.all_gather_single(out, inp, group=group, async_op=True)
     if hasattr(dist, "all_gather_into_tensor"):  # torch 1.13 to 2.12
@@ -467,15 +468,26 @@ def _keys_hash(keys):
 
 def _check_metrics_args(name, results, indices, num_samples):
     if not _is_tensor(results) or results.dim() == 0:
-        return TypeError(f"{name}: results must be a tensor with one row per sample, got {type(results).__name__}")
+        return TypeError(
+            f"{name}: results must be a tensor with one row per sample, got {type(results).__name__}"
+        )
     try:
         indices = torch.as_tensor(indices)
     except (TypeError, ValueError, RuntimeError):
         return TypeError(f"{name}: indices must be a 1-D integer tensor, got {type(indices).__name__}")
-    if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-        return TypeError(f"{name}: indices must be a 1-D integer tensor, got {indices.dtype}{list(indices.shape)}")
+    if (
+        indices.dim() != 1
+        or indices.is_floating_point()
+        or indices.is_complex()
+        or indices.dtype == torch.bool
+    ):
+        return TypeError(
+            f"{name}: indices must be a 1-D integer tensor, got {indices.dtype}{list(indices.shape)}"
+        )
     if len(indices) != len(results):
-        return ValueError(f"{name}: {len(indices)} indices for {len(results)} result rows; expected one index per row")
+        return ValueError(
+            f"{name}: {len(indices)} indices for {len(results)} result rows; expected one index per row"
+        )
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 0:
         return TypeError(f"{name}: num_samples must be a non-negative int, got {num_samples!r}")
     return None

@@ -69,7 +69,9 @@ def check_all_gather_concat_equal(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     local = torch.full((4, 2), float(rank), device=device)
     out = gu.all_gather_concat(local, group)
-    assert torch.equal(out, torch.arange(world, device=device).repeat_interleave(4).float()[:, None].expand(-1, 2))
+    assert torch.equal(
+        out, torch.arange(world, device=device).repeat_interleave(4).float()[:, None].expand(-1, 2)
+    )
 
 
 def check_all_gather_concat_every_dtype(device, group=None):
@@ -208,7 +210,12 @@ def check_group_still_works(device, group=None):
 def check_bad_input_dtype_mismatch(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     local = torch.zeros(2, 3, device=device, dtype=torch.float32 if rank else torch.float64)
-    expect_error(ValueError, lambda: gu.all_gather_concat(local, group), "rank 0: float64[2, 3]", f"rank {world - 1}: float32[2, 3]")
+    expect_error(
+        ValueError,
+        lambda: gu.all_gather_concat(local, group),
+        "rank 0: float64[2, 3]",
+        f"rank {world - 1}: float32[2, 3]",
+    )
     expect_error(ValueError, lambda: gu.all_gather_tensors(local, group), "same dtype", "rank 0: float64")
     expect_error(ValueError, lambda: gu.all_reduce_mean(local, group), "same shape and dtype")
     check_group_still_works(device, group)
@@ -217,14 +224,21 @@ def check_bad_input_dtype_mismatch(device, group=None):
 def check_bad_input_trailing_shape_mismatch(device, group=None):
     rank = gu.get_rank(group)
     local = torch.zeros(2, 3 + rank, device=device)
-    expect_error(ValueError, lambda: gu.all_gather_concat(local, group), "rank 0: float32[2, 3]", "rank 1: float32[2, 4]")
+    expect_error(
+        ValueError,
+        lambda: gu.all_gather_concat(local, group),
+        "rank 0: float32[2, 3]",
+        "rank 1: float32[2, 4]",
+    )
     check_group_still_works(device, group)
 
 
 def check_bad_input_ndim_mismatch_same_numel(device, group=None):
     rank = gu.get_rank(group)
     local = torch.zeros(6, device=device) if rank == 1 else torch.zeros(2, 3, device=device)
-    expect_error(ValueError, lambda: gu.all_gather_concat(local, group), "rank 0: float32[2, 3]", "rank 1: float32[6]")
+    expect_error(
+        ValueError, lambda: gu.all_gather_concat(local, group), "rank 0: float32[2, 3]", "rank 1: float32[6]"
+    )
     expect_error(ValueError, lambda: gu.all_reduce_mean(local, group), "rank 1: float32[6]")
     check_group_still_works(device, group)
 
@@ -247,11 +261,15 @@ def check_bad_input_not_a_tensor_on_one_rank(device, group=None):
 def check_bad_input_dict_keys_differ(device, group=None):
     rank = gu.get_rank(group)
     local = {"loss": 1.0, "extra": 2.0} if rank == 1 else {"loss": 1.0}
-    expect_error(ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']")
+    expect_error(
+        ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']"
+    )
     if rank == 1:
         expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}, group), "str -> number")
     else:
-        expect_error(ValueError, lambda: gu.all_reduce_mean({"loss": 1.0}, group), "rank 1 passed invalid input")
+        expect_error(
+            ValueError, lambda: gu.all_reduce_mean({"loss": 1.0}, group), "rank 1 passed invalid input"
+        )
     check_group_still_works(device, group)
 
 
@@ -259,14 +277,33 @@ def check_bad_input_gather_for_metrics(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     results = torch.zeros(2, 1, device=device)
     own = torch.tensor([rank, rank + world], device=device)  # together: range(2 * world)
-    expect_error(ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world + 1, group), "held by no rank", f"[{2 * world}]")
-    expect_error(ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world - 1, group), f"holds index {2 * world - 1}")
-    expect_error(ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world + rank, group), "num_samples")
+    expect_error(
+        ValueError,
+        lambda: gu.gather_for_metrics(results, own, 2 * world + 1, group),
+        "held by no rank",
+        f"[{2 * world}]",
+    )
+    expect_error(
+        ValueError,
+        lambda: gu.gather_for_metrics(results, own, 2 * world - 1, group),
+        f"holds index {2 * world - 1}",
+    )
+    expect_error(
+        ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world + rank, group), "num_samples"
+    )
     short = own[:1] if rank == 1 else own
     if rank == 1:
-        expect_error(ValueError, lambda: gu.gather_for_metrics(results, short, 2 * world, group), "1 indices for 2 result rows")
+        expect_error(
+            ValueError,
+            lambda: gu.gather_for_metrics(results, short, 2 * world, group),
+            "1 indices for 2 result rows",
+        )
     else:
-        expect_error(ValueError, lambda: gu.gather_for_metrics(results, short, 2 * world, group), "rank 1 passed invalid input")
+        expect_error(
+            ValueError,
+            lambda: gu.gather_for_metrics(results, short, 2 * world, group),
+            "rank 1 passed invalid input",
+        )
     check_group_still_works(device, group)
 
 
@@ -335,9 +372,13 @@ def run_checks(device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, else cpu")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, else cpu"
+    )
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
     if device.type == "cuda":
@@ -363,8 +404,18 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def torchrun(nproc, *args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # --standalone rendezvouses on a free local port, so parallel runs never collide.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(__file__) or ".")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(__file__) or "."
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     last = proc.stdout.strip().splitlines()[-1]
@@ -394,7 +445,9 @@ def test_world_of_one_bad_input():
     results, indices = torch.zeros(2, 1), torch.tensor([0, 1])
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 3), "held by no rank", "[2]")
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 1), "holds index 1")
-    expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices[:1], 2), "1 indices for 2 result rows")
+    expect_error(
+        ValueError, lambda: gu.gather_for_metrics(results, indices[:1], 2), "1 indices for 2 result rows"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -404,7 +457,9 @@ def test_gather_utils_copied_alone_into_an_empty_folder(tmp_path):
         g.write(f.read())
     code = "import gather_utils, torch; print(gather_utils.all_gather_concat(torch.ones(2, 3)).shape)"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "torch.Size([2, 3])"
 

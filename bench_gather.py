@@ -1,0 +1,172 @@
+"""Benchmark gather_utils against the floor, torch's all_gather_object and the seed article's helper.
+
+    torchrun --nproc_per_node 4 bench_gather.py [--mib 4] [--repeats 30]
+
+Every method runs in the same process group, interleaved round by round, so machine noise hits
+them alike. Each round's time is the slowest rank's; the table shows medians over rounds, and
+each method's ratio to the floor:
+
+    floor = one all_gather_single of equal chunks moving the same total bytes, scaled for uneven
+            sizes by the most bytes any rank must receive (total - own) over what each rank
+            receives when sizes are equal: no rank can finish before it has what it lacks.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import gather_utils as gu
+
+ROW = 256  # float32 values per row: 1 KiB
+
+
+def seed_all_gather_concat(data):
+    """The seed article's helper, as published (fixed only so that it runs): sizes, then padded data."""
+    world_size = dist.get_world_size()
+    local_size = torch.tensor(data.shape[0], device=data.device)
+    sizes = [torch.zeros_like(local_size) for _ in range(world_size)]
+    dist.all_gather(sizes, local_size)
+    sizes = [int(s.item()) for s in sizes]
+    max_size = max(sizes)
+    padded = torch.zeros(max_size, *data.shape[1:], dtype=data.dtype, device=data.device)
+    padded[: data.shape[0]] = data
+    gathered = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[:s] for g, s in zip(gathered, sizes)], dim=0)
+
+
+def torch_all_gather_object(data):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, data)
+    return torch.cat(out)
+
+
+def padded_gather(data, sizes):
+    """Uneven sizes in one gloo all-gather: pad to the largest, gather, trim."""
+    world, rank, largest = len(sizes), dist.get_rank(), max(sizes)
+    padded = torch.empty(world * largest, dtype=torch.uint8)
+    padded[rank * largest : rank * largest + sizes[rank]] = data
+    dist.all_gather_single(padded, padded[rank * largest : (rank + 1) * largest])
+    return torch.cat([padded[r * largest : r * largest + n] for r, n in enumerate(sizes)])
+
+
+def broadcast_gather(data, sizes):
+    """Uneven sizes as one broadcast per rank, all in flight at once."""
+    out = torch.empty(sum(sizes), dtype=torch.uint8)
+    parts = out.split(sizes)
+    parts[dist.get_rank()].copy_(data)
+    for work in [dist.broadcast(p, src=r, async_op=True) for r, p in enumerate(parts)]:
+        work.wait()
+    return out
+
+
+def payloads(world, mib):
+    """Rows per rank for each payload shape; `mib` MiB per rank on average."""
+    rows = mib * 1024
+    skew = [16] + [1] * (world - 1)
+    return {
+        "equal": [rows] * world,
+        "uneven": [round(2 * rows * (r + 1) / (world + 1)) for r in range(world)],
+        "skewed": [round(world * rows * w / sum(skew)) for w in skew],
+        "tiny": [8] * world,
+    }
+
+
+def floor_fn(counts):
+    """An equal-size all_gather_single of the same total, and the factor that scales it."""
+    world, total = len(counts), sum(counts)
+    chunk = torch.empty(-(-total // world) * ROW)
+    out = torch.empty(world * chunk.numel())
+    scale = max(total - n for n in counts) / ((world - 1) * total / world) if world > 1 else 1.0
+    return (lambda _: dist.all_gather_single(out, chunk)), scale
+
+
+def time_round(fn, data):
+    dist.barrier()
+    start = time.perf_counter()
+    fn(data)
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # after the clock stops: the slowest rank
+    return elapsed.item()
+
+
+def bench(counts, repeats):
+    rank = dist.get_rank()
+    data = torch.randn(counts[rank], ROW)
+    floor, scale = floor_fn(counts)
+    methods = {
+        "floor": floor,
+        "all_gather_concat": gu.all_gather_concat,
+        "all_gather_tensors": gu.all_gather_tensors,
+        "torch all_gather_object": torch_all_gather_object,
+        "seed all_gather_concat": seed_all_gather_concat,
+    }
+    expected = gu.all_gather_concat(data)
+    for name in ("all_gather_tensors", "torch all_gather_object", "seed all_gather_concat"):
+        got = methods[name](data)
+        got = torch.cat(got) if isinstance(got, list) else got
+        assert torch.equal(got, expected), name
+    times = {name: [] for name in methods}
+    for round_ in range(repeats + 3):  # the first 3 rounds warm up
+        for name, fn in methods.items():
+            t = time_round(fn, data)
+            if round_ >= 3:
+                times[name].append(t)
+    medians = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    medians["floor"] *= scale
+    return medians
+
+
+def bench_uneven_strategies(repeats):
+    """The choice gather_utils makes on gloo for uneven sizes, across total sizes."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for total_kib in (16, 64, 256, 1024, 4096, 16384):
+        skew = [16] + [1] * (world - 1)
+        sizes = [total_kib * 1024 * w // sum(skew) for w in skew]
+        data = torch.randint(0, 255, (sizes[rank],), dtype=torch.uint8)
+        assert torch.equal(padded_gather(data, sizes), broadcast_gather(data, sizes))
+        times = {"padded all-gather": [], "broadcast per rank": []}
+        for round_ in range(repeats + 3):
+            for name, fn in (("padded all-gather", padded_gather), ("broadcast per rank", broadcast_gather)):
+                t = time_round(lambda d: fn(d, sizes), data)
+                if round_ >= 3:
+                    times[name].append(t)
+        results.append((total_kib, {n: statistics.median(ts) * 1e3 for n, ts in times.items()}))
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=int, default=4, help="MiB per rank on average")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    rows = []
+    for kind, counts in payloads(world, args.mib).items():
+        rows.append((kind, counts, bench(counts, args.repeats)))
+    if dist.get_rank() == 0:
+        names = list(rows[0][2])
+        print(f"gloo, {world} ranks, torch {torch.__version__}, median ms of {args.repeats} rounds (x floor)")
+        print("| payload | rows per rank | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for kind, counts, medians in rows:
+            cells = [f"{medians[n]:.2f} ({medians[n] / medians['floor']:.2f}x)" for n in names]
+            print(f"| {kind} | {counts} | " + " | ".join(cells) + " |")
+    strategies = bench_uneven_strategies(args.repeats)
+    if dist.get_rank() == 0:
+        print(f"\ngloo, {world} ranks, skewed sizes (one rank 16x the others): median ms, padded / broadcast")
+        print("| total KiB | padded all-gather | broadcast per rank | ratio |")
+        print("|---|---|---|---|")
+        for total_kib, m in strategies:
+            pad, bcast = m["padded all-gather"], m["broadcast per rank"]
+            print(f"| {total_kib} | {pad:.2f} | {bcast:.2f} | {pad / bcast:.2f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

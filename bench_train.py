@@ -1,0 +1,171 @@
+"""Training speed: one process without DDP against N processes with DDP, side by side.
+
+    python bench_train.py                          # CPU: ResNet50 at 64 px, 2 x 1 thread vs 1 x 1 thread
+    python bench_train.py --device cuda --image-size 224 --batches 256 --nproc 1 --amp bf16 --channels-last
+
+For each per-process batch size it runs every configuration in turn, each in fresh processes
+(torchrun for DDP), on synthetic data already in memory, and times each optimizer step after
+the warm-up steps. The table shows the median images/s per process and the scaling efficiency:
+DDP images/s per process / single-process images/s (1.00 means communication costs nothing).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# name -> worker flags. "single" runs one process without DDP; the rest run --nproc with DDP.
+TUNED = ["--bucket-cap-mb", "100", "--gradient-as-bucket-view", "--static-graph"]
+CONFIGS = {
+    "single": ["--no-ddp"],
+    "ddp default": [],
+    "ddp tuned": TUNED,
+    "ddp tuned + fp16 hook": TUNED + ["--hook", "fp16"],
+    "ddp tuned + bf16 hook": TUNED + ["--hook", "bf16"],
+    "ddp tuned + powersgd": TUNED + ["--hook", "powersgd"],
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--nproc", type=int, default=2, help="DDP processes (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--arch", default="resnet50")
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64], help="per-process batch sizes")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off")
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    # Worker-only flags, set by the driver.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--no-ddp", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bucket-cap-mb", type=float, default=25, help=argparse.SUPPRESS)
+    p.add_argument("--gradient-as-bucket-view", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--static-graph", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--hook", choices=["none", "fp16", "bf16", "powersgd"], default="none", help=argparse.SUPPRESS
+    )
+    return p.parse_args()
+
+
+def worker(args):
+    """Time `--steps` training steps after `--warmup`; rank 0 prints the step times as JSON."""
+    torch.set_num_threads(args.threads)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = torchvision.models.get_model(args.arch, num_classes=1000).to(device, memory_format=memory_format)
+    if not args.no_ddp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        model = DDP(
+            model,
+            device_ids=[local_rank] if device.type == "cuda" else None,
+            bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+            static_graph=args.static_graph,
+        )
+        register_hook(model, args.hook)
+    if args.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
+    images = images.contiguous(memory_format=memory_format)
+    labels = torch.randint(0, 1000, (args.batch,), device=device)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    times = []
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step is done when the GPU is, not when Python returns
+        times.append(time.perf_counter() - start)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps({"step_seconds": times[args.warmup :]}), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def register_hook(model, hook):
+    if hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def run(args, batch, flags):
+    """Start one configuration's processes and return its median step time in seconds."""
+    common = [
+        "--worker", "--batch", str(batch), "--device", args.device, "--threads", str(args.threads),
+        "--arch", args.arch, "--image-size", str(args.image_size), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--amp", args.amp,
+    ] + ["--channels-last"] * args.channels_last + ["--compile"] * args.compile  # fmt: skip
+    if "--no-ddp" in flags:
+        launcher = [sys.executable, __file__]
+    else:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            __file__,
+        ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.run(launcher + common + flags, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"bench_train: {' '.join(flags) or 'ddp default'} failed:\n{proc.stderr[-3000:]}")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
+    return statistics.median(json.loads(line)["step_seconds"])
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    print(
+        f"{args.arch} at {args.image_size} px on {args.device}, amp {args.amp}, "
+        f"channels_last {args.channels_last}, compile {args.compile}, {args.threads} thread(s) per process, DDP on {args.nproc} processes, "
+        f"median of {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}"
+    )
+    print("| batch per process | configuration | images/s per process | efficiency vs single |")
+    print("|---|---|---|---|")
+    for batch in args.batches:
+        single = None
+        for name in args.configs:
+            ips = batch / run(args, batch, CONFIGS[name])
+            single = ips if name == "single" else single
+            efficiency = f"{ips / single:.2f}" if single and name != "single" else "-"
+            print(f"| {batch} | {name} | {ips:.1f} | {efficiency} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
