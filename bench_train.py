@@ -153,7 +153,8 @@ def main():
         return worker(args)
     print(
         f"{args.arch} at {args.image_size} px on {args.device}, amp {args.amp}, "
-        f"channels_last {args.channels_last}, compile {args.compile}, {args.threads} thread(s) per process, DDP on {args.nproc} processes, "
+        f"channels_last {args.channels_last}, compile {args.compile}, "
+        f"{args.threads} thread(s) per process, DDP on {args.nproc} processes, "
         f"median of {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}"
     )
     print("| batch per process | configuration | images/s per process | efficiency vs single |")
