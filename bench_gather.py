@@ -139,6 +139,49 @@ def bench_uneven_strategies(repeats):
     return results
 
 
+def bench_seed_tips(counts, repeats):
+    """Two of the seed article's speed tips, on equal payloads: batched collective, async overlap."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = torch.randn(counts[rank], ROW)
+    weight = torch.randn(512, 512)
+    compute_input = torch.randn(2048, 512)
+
+    def list_all_gather(d):
+        parts = [torch.empty_like(d) for _ in range(world)]
+        dist.all_gather(parts, d)
+        return torch.cat(parts)
+
+    def single_all_gather(d):
+        out = torch.empty(world * d.shape[0], *d.shape[1:])
+        dist.all_gather_single(out, d)
+        return out
+
+    def compute():
+        return compute_input @ weight
+
+    def gather_then_compute(d):
+        return gu.all_gather_concat(d), compute()
+
+    def gather_overlapping_compute(d):
+        handle = gu.all_gather_concat(d, async_op=True)
+        return compute(), handle.wait()
+
+    methods = {
+        "list all_gather + cat": list_all_gather,
+        "all_gather_single": single_all_gather,
+        "compute alone": lambda d: compute(),
+        "gather, then compute": gather_then_compute,
+        "async gather overlapping compute": gather_overlapping_compute,
+    }
+    times = {name: [] for name in methods}
+    for round_ in range(repeats + 3):
+        for name, fn in methods.items():
+            t = time_round(fn, data)
+            if round_ >= 3:
+                times[name].append(t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=4, help="MiB per rank on average")
@@ -157,6 +200,13 @@ def main():
         for kind, counts, medians in rows:
             cells = [f"{medians[n]:.2f} ({medians[n] / medians['floor']:.2f}x)" for n in names]
             print(f"| {kind} | {counts} | " + " | ".join(cells) + " |")
+    tips = bench_seed_tips(payloads(world, args.mib)["equal"], args.repeats)
+    if dist.get_rank() == 0:
+        print(f"\ngloo, {world} ranks, equal payloads: the seed's speed tips, median ms")
+        print("| method | ms |")
+        print("|---|---|")
+        for name, ms in tips.items():
+            print(f"| {name} | {ms:.2f} |")
     strategies = bench_uneven_strategies(args.repeats)
     if dist.get_rank() == 0:
         print(f"\ngloo, {world} ranks, skewed sizes (one rank 16x the others): median ms, padded / broadcast")
