@@ -151,9 +151,8 @@ def all_gather_object(obj, group=None):
     objects arrive on the CPU, so nothing lands on another rank's GPU.
 
     Collectives: a header all-gather, then the data as in `all_gather_concat`, always over gloo
-    on the CPU, so it never needs
-    `torch.cuda.set_device`. On a group whose backend has no gloo part (plain NCCL), the first
-    call creates a gloo group over the same ranks and reuses it afterwards.
+    on the CPU, so it never needs `torch.cuda.set_device`. On a group whose backend has no gloo
+    part (plain NCCL), the first call creates a gloo group over the same ranks and reuses it.
 
     Raises on every rank: TypeError on a rank whose object cannot be pickled (ValueError naming
     that rank on the others).
@@ -197,7 +196,8 @@ def all_reduce_mean(value, group=None):
                 f"{name}: every rank needs the same keys; got "
                 + "; ".join(f"rank {r}: {sorted(k)}" for r, k in enumerate(all_keys))
             )
-        _all_reduce_sum(values, group)
+        if values.numel():
+            _all_reduce_sum(values, group)
         means = dict(zip(keys, values.tolist()))
         return {k: means[k] / world for k in value}
 
@@ -230,8 +230,7 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     Raises on every rank: ValueError when dtypes, sizes after dim 0 or `num_samples` differ
     between ranks, when an index is outside `range(num_samples)`, or when a sample is held by no
     rank; TypeError or ValueError on a rank whose arguments are wrong: not tensors, or not one
-    index per row (ValueError
-    naming that rank on the others).
+    index per row (ValueError naming that rank on the others).
     """
     name = "gather_for_metrics"
     device = _comm_device(group)
@@ -248,7 +247,7 @@ def gather_for_metrics(results, indices, num_samples, group=None):
             + ", ".join(str(row[3]) for row in rows)
         )
     row_bytes = math.prod(shapes[0][1:]) * results.element_size()
-    index_bytes = torch.as_tensor(indices).to(device=device, dtype=torch.int64).view(torch.uint8)
+    index_bytes = _as_bytes(torch.as_tensor(indices).to(torch.int64), device)
     payload = torch.cat([_as_bytes(results, device), index_bytes])
     counts = [s[0] for s in shapes]
     sizes = [n * (row_bytes + 8) for n in counts]

@@ -174,6 +174,7 @@ def check_all_reduce_mean_dict(device, group=None):
     assert all(isinstance(v, float) for v in out.values())
     assert out["count"] == (world * 2**40 + sum(range(world))) / world
     assert out["loss"] == sum(range(world)) / world and out["flag"] == 1.0
+    assert gu.all_reduce_mean({}, group) == {}
 
 
 def gather_for_metrics_case(device, group, num_samples, shuffle):
