@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Start train_ddp.py in N processes on this machine with torchrun.
+#
+#   bash launch.sh N [train_ddp.py args...]
+#
+# Environment (all optional):
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT  run on NNODES machines; start this on each, NODE_RANK 0..NNODES-1
+#   INIT_TIMEOUT   seconds the nodes wait for each other (default 60)
+#   MAX_RESTARTS   restart failed workers this often; train_ddp.py then resumes from its last.pt (default 0)
+#   OMP_NUM_THREADS  default: CPU cores / N, at least 1
+# train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
+set -euo pipefail
+
+usage="usage: bash launch.sh N [train_ddp.py args...], N = processes on this machine"
+n=${1:-}
+if [[ ! $n =~ ^[1-9][0-9]*$ ]]; then
+    echo "launch.sh: error: N must be a positive integer, got '$n'; $usage" >&2
+    exit 2
+fi
+shift
+
+gpus=0
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    gpus=$(nvidia-smi -L | wc -l)
+    if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+        gpus=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+    fi
+fi
+if (( gpus > 0 && n > gpus )); then
+    echo "launch.sh: error: N=$n processes but only $gpus GPUs; use N <= $gpus (one process per GPU)" >&2
+    exit 2
+fi
+
+cores=$(getconf _NPROCESSORS_ONLN)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# Bad arguments fail here, once, with one line, before any worker or port exists.
+python3 "$here/train_ddp.py" --dry-run "$@"
+
+if [[ -n ${NNODES:-} ]]; then
+    : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
+    rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
+                --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}")
+else
+    # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
+    rendezvous=(--standalone)
+fi
+exec torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" \
+    "$here/train_ddp.py" "$@"

@@ -1,0 +1,296 @@
+"""Tests for train_ddp.py and launch.sh: real processes, real gloo process groups, on CPU.
+
+Every run uses a tiny configuration (ResNet-18 at 32 px, a few hundred synthetic images), a
+free port, tmp_path for its files, and a hard timeout, so a hang fails fast.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+HERE = Path(__file__).resolve().parent
+TRAIN = str(HERE / "train_ddp.py")
+LAUNCH = str(HERE / "launch.sh")
+# 2 ranks x 32 steps x 2 epochs: enough for the synthetic task to be learned (val acc1 ~100%).
+TINY = ["--arch", "resnet18", "--train-samples", "512", "--val-samples", "50", "--batch-size", "8",
+        "--epochs", "2", "--log-every", "4"]
+RUN_TIMEOUT = 120
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
+                                                                     "SLURM_", "NNODES", "NODE_RANK", "MAX_RESTARTS"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def start(cmd, env=None, cwd=None):
+    """Start cmd in its own process group, so the test can kill it with all its workers."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or clean_env(), cwd=cwd or HERE, start_new_session=True)
+
+
+def descendants(pid):
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    children = {}
+    for child, parent in zip(map(int, table[::2]), map(int, table[1::2])):
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(proc, sig=signal.SIGKILL):
+    """torchrun starts each worker in its own session, so killing its process group is not enough."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def finish(proc, timeout, began=None):
+    began = began or time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=max(1, timeout - (time.monotonic() - began)))
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {proc.args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+    return Result(proc.returncode, out, err, time.monotonic() - began)
+
+
+def run(cmd, timeout=RUN_TIMEOUT, env=None, cwd=None):
+    began = time.monotonic()
+    return finish(start(cmd, env, cwd), timeout, began)
+
+
+def torchrun(nproc, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), TRAIN,
+            *map(str, args)]
+
+
+def ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    return result
+
+
+def metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_weights(a, b, exact=True, **tolerance):
+    assert a.keys() == b.keys()
+    for key in a:
+        if exact:
+            assert torch.equal(a[key], b[key]), key
+        else:
+            torch.testing.assert_close(a[key].double(), b[key].double(), msg=key, **tolerance)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank torchrun run of TINY: the baseline several tests compare against."""
+    out = tmp_path_factory.mktemp("reference")
+    result = ok(run(torchrun(2, *TINY, "--checkpoint-dir", out, "--metrics-file", out / "m.jsonl")))
+    return out, result
+
+
+def test_torchrun_trains_above_chance(reference):
+    out, result = reference
+    records = metrics(out / "m.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert records[-1]["val_acc1"] > 50, records  # chance is 10% with 10 classes
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert "2 x cpu (gloo)" in result.stdout
+
+
+def test_metrics_file_has_every_field(reference):
+    out, _ = reference
+    for record in metrics(out / "m.jsonl"):
+        for key in ["epoch", "train_loss", "val_loss", "val_acc1", "val_acc5", "val_samples", "images_per_sec",
+                    "epoch_seconds"]:
+            assert isinstance(record[key], (int, float)), (key, record)
+        assert record["val_samples"] == 50
+        assert 0 <= record["val_acc1"] <= record["val_acc5"] <= 100
+
+
+def test_log_shows_step_loss_throughput_and_eta(reference):
+    _, result = reference
+    lines = [line for line in result.stdout.splitlines() if " step " in line]
+    assert lines and all(" loss " in line and " eta " in line for line in lines)
+    assert any("img/s" in line and "eta 0:" in line for line in lines)
+    # Rank 0 logs alone: each step line appears once.
+    assert len(lines) == len(set(lines))
+
+
+def test_parameters_identical_on_every_rank(reference):
+    out, _ = reference
+    for record in metrics(out / "m.jsonl"):
+        checksums = record["replica_checksums"]
+        assert len(checksums) == 2 and checksums[0] == checksums[1], record
+
+
+def test_checkpoint_loads_with_weights_only(reference):
+    out, _ = reference
+    checkpoint = load(out / "last.pt")
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "args", "rng"} <= checkpoint.keys()
+    assert not any(k.startswith("module.") for k in checkpoint["model"])
+    assert checkpoint["epoch"] == 2 and checkpoint["step"] == 0
+    assert type(checkpoint["args"]) is dict and checkpoint["args"]["arch"] == "resnet18"
+    assert len(checkpoint["rng"]) == 2 and checkpoint["optimizer"]["state"]
+    assert not list(out.glob("*.tmp"))
+
+
+def test_launch_sh_trains_above_chance(tmp_path):
+    result = ok(run(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl"]))
+    assert metrics(tmp_path / "m.jsonl")[-1]["val_acc1"] > 50
+    assert "2 x cpu (gloo)" in result.stdout
+    assert (tmp_path / "last.pt").exists()
+
+
+def test_plain_python_runs_as_one_process(tmp_path):
+    result = ok(run([sys.executable, TRAIN, *TINY, "--epochs", "1", "--checkpoint-dir", tmp_path,
+                     "--metrics-file", tmp_path / "m.jsonl"]))
+    assert "1 x cpu (gloo)" in result.stdout
+    assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 1
+
+
+def test_legacy_launcher_passes_local_rank(tmp_path):
+    # torch.distributed.launch passes --local-rank=N on the command line (torch >= 2.0).
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           TRAIN, *TINY, "--epochs", "1", "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl"]
+    result = ok(run(list(map(str, cmd))))
+    assert "2 x cpu (gloo)" in result.stdout
+    assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 50
+
+
+def test_slurm_variables_without_torchrun(tmp_path):
+    # What srun gives each task: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; MASTER_* from the batch script.
+    port = free_port()
+    procs = [start([sys.executable, TRAIN, *TINY, "--epochs", "1", "--checkpoint-dir", str(tmp_path),
+                    "--metrics-file", str(tmp_path / "m.jsonl")],
+                   env=clean_env(SLURM_PROCID=r, SLURM_LOCALID=r, SLURM_NTASKS=2, MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=port)) for r in range(2)]
+    began = time.monotonic()
+    results = [ok(finish(p, RUN_TIMEOUT, began)) for p in procs]
+    assert "2 x cpu (gloo)" in results[0].stdout and results[1].stdout == ""
+    assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 2
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    port = free_port()
+    nodes = [start(["bash", LAUNCH, "1", *TINY, "--epochs", "1", "--checkpoint-dir", str(tmp_path / f"node{r}"),
+                    "--metrics-file", str(tmp_path / "m.jsonl")],
+                   env=clean_env(NNODES=2, NODE_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
+    began = time.monotonic()
+    results = [ok(finish(p, RUN_TIMEOUT, began)) for p in nodes]
+    assert "2 x cpu (gloo)" in results[0].stdout
+    assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 2
+    assert (tmp_path / "node0" / "last.pt").exists() and not (tmp_path / "node1").exists()
+
+
+def test_distributed_validation_equals_single_process(tmp_path):
+    # 50 val images on 3 ranks: DistributedSampler pads to 51; the duplicate must not count.
+    ok(run(torchrun(3, *TINY, "--epochs", "1", "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl")))
+    distributed = metrics(tmp_path / "m.jsonl")[0]
+    ok(run([sys.executable, TRAIN, *TINY, "--evaluate", "--resume", str(tmp_path / "last.pt"),
+            "--batch-size", "7", "--metrics-file", str(tmp_path / "single.jsonl")]))
+    single = metrics(tmp_path / "single.jsonl")[0]
+    assert distributed["val_samples"] == single["val_samples"] == 50
+    assert distributed["val_acc1"] == single["val_acc1"] and distributed["val_acc5"] == single["val_acc5"]
+    assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    assert single["epoch"] == 1
+
+
+def test_sync_bn_two_ranks_match_one_process_with_double_batch(tmp_path):
+    # One optimizer step: 2 ranks x 8 images with synchronized batch norm against 1 process x 16 images.
+    one_step = ["--arch", "resnet18", "--train-samples", "16", "--val-samples", "4", "--epochs", "1",
+                "--sync-bn", "--lr", "0.5"]
+    ok(run(torchrun(2, *one_step, "--batch-size", "8", "--checkpoint-dir", tmp_path / "ddp")))
+    ok(run([sys.executable, TRAIN, *one_step, "--batch-size", "16", "--checkpoint-dir", str(tmp_path / "single")]))
+    ddp, single = load(tmp_path / "ddp" / "last.pt")["model"], load(tmp_path / "single" / "last.pt")["model"]
+    assert_same_weights(ddp, single, exact=False, rtol=1e-4, atol=1e-5)
+    torch.manual_seed(0)  # what train_ddp.py starts from: the step really moved the weights
+    initial = torchvision.models.resnet18(num_classes=10).state_dict()
+    assert not torch.allclose(initial["layer1.0.conv1.weight"], single["layer1.0.conv1.weight"], rtol=1e-4, atol=1e-5)
+
+
+def test_resume_equals_uninterrupted(reference, tmp_path):
+    out, _ = reference
+    proc = start(torchrun(2, *TINY, "--checkpoint-dir", tmp_path))
+    began = time.monotonic()
+    while not (tmp_path / "last.pt").exists():  # the end of epoch 1
+        assert proc.poll() is None and time.monotonic() - began < RUN_TIMEOUT, "no checkpoint appeared"
+        time.sleep(0.05)
+    kill_tree(proc)
+    proc.communicate()
+    assert load(tmp_path / "last.pt")["epoch"] == 1
+    ok(run(torchrun(2, *TINY, "--checkpoint-dir", tmp_path, "--resume", tmp_path / "last.pt")))
+    assert_same_weights(load(tmp_path / "last.pt")["model"], load(out / "last.pt")["model"])
+
+
+@pytest.mark.parametrize("hook, extra", [
+    ("fp16", []),
+    ("bf16", ["--amp", "bf16", "--channels-last"]),
+    ("powersgd", ["--accum-steps", "2", "--warmup-epochs", "0"]),
+])
+def test_comm_hook_trains(tmp_path, hook, extra):
+    result = ok(run(torchrun(2, *TINY, "--comm-hook", hook, *extra, "--checkpoint-dir", tmp_path,
+                             "--metrics-file", tmp_path / "m.jsonl")))
+    records = metrics(tmp_path / "m.jsonl")
+    assert records[-1]["train_loss"] < 1.0 < 2.3, records  # from ~2.3 (log 10) at the start
+    assert records[-1]["val_acc1"] > 30, records
+    assert len(set(records[-1]["replica_checksums"])) == 1
+    assert "nan" not in result.stdout
+
+
+def test_amp_fp16_runs_with_grad_scaler(tmp_path):
+    # fp16 autocast is slow on CPU: 4 steps only, to check that the GradScaler really runs.
+    ok(run(torchrun(2, "--arch", "resnet18", "--train-samples", "64", "--val-samples", "10", "--batch-size", "8",
+                    "--epochs", "1", "--amp", "fp16", "--checkpoint-dir", tmp_path)))
+    scaler = load(tmp_path / "last.pt")["scaler"]
+    # From 2**16 the scale halves on each step whose fp16 gradients overflow; those steps are skipped.
+    assert 0 < scaler["scale"] < 2.0 ** 16 and scaler["_growth_tracker"] >= 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--arch", "resnet_nope"], "unknown --arch 'resnet_nope'"),
+])
+def test_bad_arguments_fail_fast_with_one_line(args, message):
+    result = run(["bash", LAUNCH, "2", *args], timeout=30)
+    assert result.returncode != 0
+    assert result.stderr.count(message) == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.seconds < 15

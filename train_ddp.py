@@ -1,0 +1,637 @@
+"""Train an image classifier with DistributedDataParallel, on GPUs (NCCL) or on CPUs (gloo).
+
+    bash launch.sh 4                           # 4 processes on this machine, a free port, the right backend
+    torchrun --nproc-per-node 4 train_ddp.py   # the same by hand
+    python train_ddp.py                        # a single process, no launcher
+
+Without --data it trains on a synthetic dataset generated in memory, so it runs anywhere.
+The steps follow the order of a DDP tutorial: arguments, device, process group, data,
+model, training with exact validation, checkpoints, clean-up. README.md explains every flag.
+"""
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import transforms
+
+import gather_utils
+
+# On 2 CPU cores `bash launch.sh 4` must finish in minutes; on GPUs the same command is a
+# real-size ResNet-50 run. Only these defaults depend on the device. The CPU run has 48 steps
+# in all, too few to recover from the usual lr of 0.1.
+DEVICE_DEFAULTS = {
+    "cpu": {"image_size": 32, "train_samples": 2048, "val_samples": 500, "batch_size": 32, "workers": 0, "lr": 0.02},
+    "cuda": {"image_size": 224, "train_samples": 64000, "val_samples": 10000, "batch_size": 64, "workers": 6, "lr": 0.1},
+}
+ARCHS = torchvision.models.list_models(module=torchvision.models)
+SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.5: learnable, but not in one step
+TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(message)
+
+
+def env_rank():
+    """This process's global rank, known before the process group exists."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def fail(message):
+    """Every rank sees the same bad input, so only rank 0 says so: one line instead of N tracebacks."""
+    if env_rank() == 0:
+        print(f"train_ddp.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------- 1. arguments
+def parse_args(argv=None):
+    p = ArgumentParser(description="DDP training of a torchvision classifier (see README.md).")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None,
+                   help="set by the legacy torch.distributed.launch; otherwise LOCAL_RANK (torchrun) or SLURM_LOCALID")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: nccl with CUDA, gloo without")
+    p.add_argument("--init-timeout", type=float, default=60,
+                   help="seconds to wait for all ranks to join the process group (default 60)")
+    p.add_argument("--data", help="ImageFolder root with train/ and val/; default: synthetic data")
+    p.add_argument("--train-samples", type=int, help="synthetic train set size (default 2048 on CPU, 64000 on GPU)")
+    p.add_argument("--val-samples", type=int, help="synthetic val set size (default 500 on CPU, 10000 on GPU)")
+    p.add_argument("--num-classes", type=int, default=10, help="synthetic classes (default 10)")
+    p.add_argument("--image-size", type=int, help="crop size (default 32 on CPU, 224 on GPU)")
+    p.add_argument("--workers", type=int, help="DataLoader workers per process (default 0 on CPU, 6 on GPU)")
+    p.add_argument("--arch", default="resnet50", help="any torchvision classification model (default resnet50)")
+    p.add_argument("--sync-bn", action="store_true", help="batch-norm statistics over all ranks")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on tensor cores)")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off", help="autocast dtype; fp16 adds a GradScaler")
+    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
+                   help="compress gradients before the all-reduce")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, help="per process (default 32 on CPU, 64 on GPU)")
+    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 0.02 on CPU, 0.1 on GPU)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up before the cosine decay")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
+    p.add_argument("--checkpoint-dir", default="checkpoints", help="where rank 0 writes last.pt")
+    p.add_argument("--resume", help="checkpoint to continue from")
+    p.add_argument("--evaluate", action="store_true", help="validate the --resume checkpoint, then exit")
+    p.add_argument("--metrics-file", help="rank 0 appends one JSON line per epoch here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the arguments, --data and --resume, then exit (launch.sh runs this first)")
+    args = p.parse_args(argv)
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, value in DEVICE_DEFAULTS[device_type].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.backend == "auto":
+        args.backend = "nccl" if device_type == "cuda" else "gloo"
+    if args.local_rank is None:
+        args.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Reject bad input before any process group exists, so nothing can hang on it."""
+    for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples", "image_size", "log_every"]:
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.num_classes < 2:
+        fail(f"--num-classes must be at least 2, got {args.num_classes}")
+    if args.workers < 0:
+        fail(f"--workers must be 0 or more, got {args.workers}")
+    if args.init_timeout <= 0:
+        fail(f"--init-timeout must be a positive number of seconds, got {args.init_timeout}")
+    if args.arch not in ARCHS:
+        fail(f"unknown --arch '{args.arch}'; expected a torchvision classification model such as "
+             f"resnet18, resnet50, vit_b_16 (all: {', '.join(ARCHS)})")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
+    if args.evaluate and not args.resume:
+        fail("--evaluate needs --resume PATH: the checkpoint to validate")
+    if args.data:
+        check_image_folder(Path(args.data))
+
+
+def check_image_folder(root):
+    if not root.is_dir():
+        fail(f"--data {root}: no such directory; expected an ImageFolder root with train/ and val/")
+    for split in ["train", "val"]:
+        folder = root / split
+        images = (f for _, _, files in os.walk(folder) for f in files
+                  if f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS))
+        if not folder.is_dir() or next(images, None) is None:
+            fail(f"--data {root}: {folder} holds no images; expected {folder}/<class>/<image>.jpg")
+
+
+def resume_path(args):
+    """--resume, except after a torchrun restart (MAX_RESTARTS), when the newest last.pt wins."""
+    last = Path(args.checkpoint_dir) / "last.pt"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and last.exists():
+        return last
+    return Path(args.resume) if args.resume else None
+
+
+def load_checkpoint(args):
+    """Read the checkpoint to resume from before the process group forms, so a bad file fails fast."""
+    path = resume_path(args)
+    if path is None:
+        return None
+    if not path.is_file():
+        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint or "args" not in checkpoint:
+        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys model, optimizer, args, ...)")
+    if checkpoint["args"]["arch"] != args.arch:
+        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
+    return checkpoint
+
+
+# ---------------------------------------------------------------- 2. device
+def setup_device(args):
+    # Before any CUDA work: otherwise every rank creates its context and tensors on GPU 0.
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(args.local_rank)
+    return torch.device("cuda", args.local_rank)
+
+
+# ---------------------------------------------------------------- 3. process group
+def world_from_env():
+    """Global rank and world size: torchrun's variables, else SLURM's (srun), else one process."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "SLURM_NTASKS" in os.environ:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    return 0, 1
+
+
+def init_distributed(args, device):
+    rank, world_size = world_from_env()
+    # With NCCL, device_id binds the communicator to this rank's GPU at once.
+    device_id = device if device.type == "cuda" else None
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # No launcher: a one-process group on an in-memory store, so no port is needed.
+        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        return
+    if "MASTER_ADDR" not in os.environ:
+        fail("WORLD_SIZE > 1 but MASTER_ADDR is not set; under srun export MASTER_ADDR and MASTER_PORT (README)")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT')}"
+    try:
+        # The rendezvous store gets the short --init-timeout; the collectives keep the default
+        # (30 min gloo, 10 min NCCL), so a rank that is merely slow never trips them.
+        timeout = datetime.timedelta(seconds=args.init_timeout)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
+        dist.barrier()
+    except (RuntimeError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0]
+        print(f"train_ddp.py: error: rank {rank}: the process group did not form within --init-timeout "
+              f"{args.init_timeout:g} s: expected WORLD_SIZE={world_size} ranks at {address} ({reason})",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def is_main():
+    return dist.get_rank() == 0
+
+
+def log(message):
+    if is_main():
+        print(message, flush=True)
+
+
+# ---------------------------------------------------------------- 4. data
+class SyntheticImages(Dataset):
+    """A learnable stand-in for ImageNet: a smooth pattern per class plus per-sample noise.
+
+    Sample i is computed on demand from (seed, split, i), so every rank and every run sees the
+    same data without storing or downloading anything. Labels cycle through the classes.
+    """
+
+    def __init__(self, num_samples, num_classes, image_size, seed, split):
+        coarse = torch.randn(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+        self.patterns = F.interpolate(coarse, size=image_size, mode="bilinear", align_corners=False)
+        self.num_samples = num_samples
+        self.noise_seed = (seed * 2 + (split == "val") + 1) << 32
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        label = index % len(self.patterns)
+        noise = torch.randn(self.patterns.shape[1:], generator=torch.Generator().manual_seed(self.noise_seed + index))
+        return self.patterns[label] + SYNTHETIC_NOISE * noise, label
+
+
+def build_datasets(args):
+    if not args.data:
+        return (SyntheticImages(args.train_samples, args.num_classes, args.image_size, args.seed, "train"),
+                SyntheticImages(args.val_samples, args.num_classes, args.image_size, args.seed, "val"))
+    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size), transforms.RandomHorizontalFlip(),
+                                   transforms.ToTensor(), normalize])
+    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
+                                 transforms.ToTensor(), normalize])
+    root = Path(args.data)
+    return (torchvision.datasets.ImageFolder(root / "train", train_tf, allow_empty=True),
+            torchvision.datasets.ImageFolder(root / "val", val_tf, allow_empty=True))
+
+
+def make_loader(dataset, indices, args, device, drop_last):
+    # The sampler is a plain list of dataset indices: this rank's DistributedSampler shard,
+    # minus the steps already done when resuming mid-epoch.
+    return DataLoader(dataset, batch_size=args.batch_size, sampler=indices, num_workers=args.workers,
+                      pin_memory=device.type == "cuda", drop_last=drop_last)
+
+
+# ---------------------------------------------------------------- 5. model, DDP, hooks
+class CPUSyncBatchNorm(nn.BatchNorm2d):
+    """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs).
+
+    The sums travel through a differentiable all-reduce, so the backward pass is synchronized too.
+    """
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        c, xf = x.shape[1], x.float()
+        count = torch.tensor([x.numel() / c], device=x.device)
+        totals = dist_nn.all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
+        n = totals[-1]
+        mean = totals[:c] / n
+        var = totals[c:2 * c] / n - mean * mean
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var * n / (n - 1), self.momentum)
+            self.num_batches_tracked += 1
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        return (xf * scale.view(1, c, 1, 1) + (self.bias - mean * scale).view(1, c, 1, 1)).to(x.dtype)
+
+
+def convert_to_cpu_sync_bn(module):
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum)
+            sync.load_state_dict(child.state_dict())
+            setattr(module, name, sync)
+        else:
+            convert_to_cpu_sync_bn(child)
+    return module
+
+
+def build_model(args):
+    """The bare model on the CPU: what a checkpoint stores and what bench scripts reuse."""
+    torch.manual_seed(args.seed)
+    return torchvision.models.get_model(args.arch, weights=None, num_classes=num_classes(args))
+
+
+def num_classes(args):
+    if not args.data:
+        return args.num_classes
+    return len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
+
+
+def wrap_ddp(model, args, device, warmup_steps):
+    if args.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else convert_to_cpu_sync_bn(model)
+    model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif args.comm_hook == "powersgd":
+        # The state object lives as long as the model: it carries the error feedback and the
+        # warm-started low-rank factors from step to step. Plain all-reduce during the lr warm-up.
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=max(2, warmup_steps))
+        hook = powerSGD_hook.powerSGD_hook if args.backend == "nccl" else one_bucket_at_a_time(powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def one_bucket_at_a_time(hook):
+    """PowerSGD chains two all-reduces per bucket through callbacks. Gloo matches collectives
+    by issue order, which the callbacks of concurrent buckets make differ between ranks, so on
+    gloo each bucket finishes before the next one starts."""
+    def sequential_hook(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+    return sequential_hook
+
+
+def warmup_cosine(step, warmup_steps, total_steps):
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model, args, steps_per_epoch):
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    warmup = round(args.warmup_epochs * steps_per_epoch)
+    schedule = functools.partial(warmup_cosine, warmup_steps=warmup, total_steps=args.epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=args.amp == "fp16")
+    return optimizer, scheduler, scaler
+
+
+def steps_per_epoch(train_set, args):
+    """Optimizer steps per epoch: the same on every rank, as DistributedSampler gives equal shards."""
+    shard = math.ceil(len(train_set) / dist.get_world_size())
+    steps = shard // (args.batch_size * args.accum_steps)
+    if steps == 0:
+        fail(f"the train set ({len(train_set)} images over {dist.get_world_size()} ranks) is smaller than one step of "
+             f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} per rank")
+    return steps
+
+
+# ---------------------------------------------------------------- 6. train and validate
+def catch_sigterm():
+    """SLURM and Kubernetes send SIGTERM before killing a job: note it, stop at the next step."""
+    requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: requested.set())
+    return requested
+
+
+def all_ranks_agree_to_stop(requested, device):
+    flag = torch.tensor([float(requested.is_set())], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one rank's SIGTERM stops them all at the same step
+    return bool(flag.item())
+
+
+class Throughput:
+    """Images/s of the whole job and the ETA, timed after the warm-up steps."""
+
+    def __init__(self, images_per_step, total_steps, device):
+        self.images_per_step, self.total_steps, self.device = images_per_step, total_steps, device
+        self.steps = 0
+        self.start = None
+
+    def step(self):
+        self.steps += 1
+        if self.steps == min(TIMING_WARMUP_STEPS, self.total_steps - 1):
+            self.start = self.now()
+            self.timed_from = self.steps
+
+    def now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # kernels run asynchronously; time what they did, not what was queued
+        return time.perf_counter()
+
+    def images_per_sec(self):
+        if self.start is None or self.steps == self.timed_from:
+            return None
+        return (self.steps - self.timed_from) * self.images_per_step / (self.now() - self.start)
+
+    def eta(self, done):
+        rate = self.images_per_sec()
+        if rate is None:
+            return "?"
+        seconds = (self.total_steps - done) * self.images_per_step / rate
+        return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, first_step, steps, meter, stop):
+    """Train from step first_step to the end of the epoch, or until a SIGTERM.
+
+    Returns the loss averaged over ranks (None if no step ran), the steps done and whether to stop.
+    """
+    model.train()
+    device = next(model.parameters()).device
+    autocast = amp_context(args, device)
+    loss_sum, done = torch.zeros((), device=device), first_step
+    for i, (images, labels) in enumerate(loader):
+        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
+        labels = labels.to(device, non_blocking=True)
+        last_micro_step = (i + 1) % args.accum_steps == 0
+        # Gradients of the earlier micro-batches only accumulate locally; one all-reduce per step.
+        with nullcontext() if last_micro_step else model.no_sync():
+            with autocast:
+                loss = F.cross_entropy(model(images), labels)
+            scaler.scale(loss / args.accum_steps).backward()
+        loss_sum += loss.detach()
+        if not last_micro_step:
+            continue
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        done += 1
+        meter.step()
+        if done % args.log_every == 0 or done == steps:
+            # Detached: reducing the live loss would put the collective into the autograd graph.
+            mean_loss = gather_utils.all_reduce_mean(loss.detach()).item()
+            global_step = epoch * steps + done
+            rate = meter.images_per_sec()
+            log(f"epoch {epoch + 1}/{args.epochs} step {done}/{steps} ({global_step}/{meter.total_steps}) "
+                f"loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.4g} "
+                f"{'' if rate is None else f'{rate:.1f} '}img/s eta {meter.eta(global_step)}")
+        if all_ranks_agree_to_stop(stop, device):
+            return None, done, True
+    if done == first_step:
+        return None, done, False
+    mean = gather_utils.all_reduce_mean(loss_sum / ((done - first_step) * args.accum_steps)).item()
+    return mean, done, False
+
+
+@torch.no_grad()
+def validate(model, val_set, args, device):
+    """Loss, top-1 and top-5 over every val image exactly once, equal on every rank.
+
+    DistributedSampler pads the shards with repeated images so that every rank runs the same
+    number of batches; gather_for_metrics puts the per-image rows back in dataset order and
+    drops those repeats, so the averages are what a single process would compute.
+    """
+    model.eval()
+    autocast = amp_context(args, device)
+    indices = list(DistributedSampler(val_set, shuffle=False))
+    rows = []
+    for images, labels in make_loader(val_set, indices, args, device, drop_last=False):
+        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
+        labels = labels.to(device, non_blocking=True)
+        with autocast:
+            logits = model(images).float()
+        hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
+    rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices, device=device), len(val_set))
+    loss, acc1, acc5 = rows.mean(dim=0).tolist()
+    return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5, "val_samples": len(rows)}
+
+
+def amp_context(args, device):
+    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def memory_format(args):
+    return torch.channels_last if args.channels_last else torch.contiguous_format
+
+
+def replica_checksums(model):
+    """Each rank's parameter checksum: DDP must keep them identical; a difference means a broken sync."""
+    checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(model.parameters())).item()
+    checksums = gather_utils.all_gather_object(checksum)
+    if len(set(checksums)) != 1:
+        raise RuntimeError(f"the model replicas diverged (parameter checksums per rank: {checksums})")
+    return checksums
+
+
+def sync_buffers(model):
+    """Give every rank rank 0's batch-norm statistics, the ones the checkpoint stores.
+
+    DDP broadcasts buffers at the start of each forward, so after the last training step every
+    rank still holds the statistics of its own last batch.
+    """
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def append_metrics(args, record):
+    if is_main() and args.metrics_file:
+        with open(args.metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+# ---------------------------------------------------------------- 7. checkpoints
+def save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, step):
+    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact.
+
+    epoch and step say where to continue: epoch `epoch` (0-based) after `step` optimizer steps.
+    """
+    rng = gather_utils.all_gather_object(rng_state())  # each rank continues its own random stream
+    if is_main():
+        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                 "epoch": epoch, "step": step, "world_size": dist.get_world_size(),
+                 "args": vars(args), "rng": rng}
+        path = Path(args.checkpoint_dir) / "last.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    dist.barrier()  # no rank goes on, or exits, before the checkpoint is complete
+
+
+def rng_state():
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def restore_training_state(checkpoint, optimizer, scheduler, scaler):
+    """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    rng = checkpoint["rng"]
+    if dist.get_rank() < len(rng):
+        torch.set_rng_state(rng[dist.get_rank()]["torch"])
+        if torch.cuda.is_available() and rng[dist.get_rank()]["cuda"] is not None:
+            torch.cuda.set_rng_state(rng[dist.get_rank()]["cuda"])
+    step = checkpoint["step"] if checkpoint["world_size"] == dist.get_world_size() else 0
+    return checkpoint["epoch"], step
+
+
+# ---------------------------------------------------------------- the story
+def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps):
+    stop = catch_sigterm()
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=False)
+    meter = Throughput(args.batch_size * args.accum_steps * dist.get_world_size(), args.epochs * steps, device)
+    for epoch in range(start_epoch, args.epochs):
+        epoch_start = time.perf_counter()
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        per_step = args.batch_size * args.accum_steps
+        indices = list(sampler)[start_step * per_step: steps * per_step]
+        loader = make_loader(train_set, indices, args, device, drop_last=True)
+        train_loss, done, stopped = train_one_epoch(model, loader, optimizer, scheduler, scaler, args,
+                                                    epoch, start_step, steps, meter, stop)
+        start_step = 0
+        if stopped:
+            save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, done)
+            log(f"stopped by SIGTERM at epoch {epoch + 1} step {done}/{steps}; "
+                f"continue with --resume {Path(args.checkpoint_dir) / 'last.pt'}")
+            return
+        checksums = replica_checksums(model)
+        sync_buffers(model.module)
+        metrics = validate(model.module, val_set, args, device)
+        save_checkpoint(model, optimizer, scheduler, scaler, args, epoch + 1, 0)
+        rate = meter.images_per_sec()
+        record = {"epoch": epoch + 1, "train_loss": train_loss, **metrics,
+                  "images_per_sec": rate, "epoch_seconds": time.perf_counter() - epoch_start,
+                  "replica_checksums": checksums}
+        append_metrics(args, record)
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss {train_loss or float('nan'):.4f} val_loss {metrics['val_loss']:.4f} "
+            f"val_acc1 {metrics['val_acc1']:.2f}% val_acc5 {metrics['val_acc5']:.2f}% "
+            f"({metrics['val_samples']} images) {'' if rate is None else f'{rate:.1f} img/s '}"
+            f"{record['epoch_seconds']:.1f} s")
+
+
+def evaluate(model, val_set, args, device, checkpoint):
+    metrics = validate(model, val_set, args, device)
+    append_metrics(args, {"epoch": checkpoint["epoch"], **metrics})
+    log(json.dumps(metrics))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    checkpoint = load_checkpoint(args)
+    if args.dry_run:
+        return
+    device = setup_device(args)
+    init_distributed(args, device)
+    try:
+        train_set, val_set = build_datasets(args)
+        steps = steps_per_epoch(train_set, args)
+        model = build_model(args)
+        if checkpoint:
+            model.load_state_dict(checkpoint["model"])
+        if args.evaluate:
+            return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
+        model = wrap_ddp(model, args, device, warmup_steps=round(args.warmup_epochs * steps))
+        optimizer, scheduler, scaler = build_optimizer(model, args, steps)
+        start_epoch, start_step = 0, 0
+        if checkpoint:
+            start_epoch, start_step = restore_training_state(checkpoint, optimizer, scheduler, scaler)
+            log(f"resumed from {resume_path(args)} at epoch {start_epoch + 1} step {start_step}")
+        log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
+            f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, "
+            f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
+        fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
