@@ -13,11 +13,13 @@ Every public function
 Tensors move as raw bytes, so every dtype works (bool, complex, 8/16-bit floats, ...).
 """
 
+import bisect
 import functools
+import hashlib
 import io
+import itertools
 import math
 import pickle
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -93,30 +95,32 @@ def all_gather_concat(tensor, group=None, async_op=False):
     (straight into the result) or on NCCL; on gloo, uneven sizes under 1 MiB in all pad once
     into one all-gather, and larger ones move as one broadcast per rank (no padding).
 
-    With `async_op=True` it returns a `GatherHandle` once the data all-gather is in flight;
-    its `wait()` returns the result, so you can overlap compute with the transfer. Leave the
-    input unchanged until then.
+    With `async_op=True` it returns a `GatherHandle` once the data is in flight; its `wait()`
+    returns the result, so you can overlap compute with the transfer. Leave the input
+    unchanged until then.
 
     Raises on every rank: TypeError on a rank that passed a non-tensor (ValueError naming that
     rank on the others), ValueError when dtypes or sizes after dim 0 differ between ranks.
     """
     name = "all_gather_concat"
-    device = _comm_device(group)
-    flat = tensor.detach().reshape(1) if _is_tensor(tensor) and tensor.dim() == 0 else tensor
-    rows = _exchange_headers(name, flat, group, device)
-    dtypes, shapes = _dtypes(rows), _shapes(rows)
-    if len(set(dtypes)) > 1 or len({s[1:] for s in shapes}) > 1:
+    device = _setup(name, group, tensor)
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    payload, error = _local_payload(name, tensor, device)
+    rows = _exchange_headers(name, tensor, error, group, device)
+    shapes = _shapes(rows)
+    if len({(row[1], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
         raise ValueError(
-            f"{name}: every rank needs the same dtype and the same sizes after dim 0; got " + _describe(rows)
+            f"{name}: every rank needs the same dtype and sizes after dim 0; got {_describe(rows)}"
         )
     row_shape = shapes[0][1:]
-    row_bytes = math.prod(row_shape) * flat.element_size()
-    counts = [s[0] for s in shapes]
+    counts = [shape[0] for shape in shapes]
+    row_bytes = math.prod(row_shape) * tensor.element_size()
     handle = _gather_bytes(
-        _as_bytes(flat, device),
+        payload,
         [n * row_bytes for n in counts],
         group,
-        then=lambda packed: packed.view(flat.dtype).view(sum(counts), *row_shape).to(tensor.device),
+        then=lambda packed: packed.view(tensor.dtype).view(sum(counts), *row_shape).to(tensor.device),
     )
     return handle if async_op else handle.wait()
 
@@ -134,14 +138,15 @@ def all_gather_tensors(tensor, group=None):
     rank on the others), ValueError when the dtypes differ.
     """
     name = "all_gather_tensors"
-    device = _comm_device(group)
-    rows = _exchange_headers(name, tensor, group, device)
-    if len(set(_dtypes(rows))) > 1:
-        raise ValueError(f"{name}: every rank needs the same dtype; got " + _describe(rows))
+    device = _setup(name, group, tensor)
+    payload, error = _local_payload(name, tensor, device)
+    rows = _exchange_headers(name, tensor, error, group, device)
+    if len({row[1] for row in rows}) > 1:
+        raise ValueError(f"{name}: every rank needs the same dtype; got {_describe(rows)}")
     shapes = _shapes(rows)
-    sizes = [math.prod(s) * tensor.element_size() for s in shapes]
-    chunks = _gather_bytes(_as_bytes(tensor, device), sizes, group).wait().split(sizes)
-    return [c.view(tensor.dtype).view(s).to(tensor.device) for c, s in zip(chunks, shapes)]
+    sizes = [math.prod(shape) * tensor.element_size() for shape in shapes]
+    chunks = _gather_bytes(payload, sizes, group).wait().to(tensor.device).split(sizes)
+    return [chunk.view(tensor.dtype).view(shape) for chunk, shape in zip(chunks, shapes)]
 
 
 def all_gather_object(obj, group=None):
@@ -152,23 +157,24 @@ def all_gather_object(obj, group=None):
 
     Collectives: a header all-gather, then the data as in `all_gather_concat`, always over gloo
     on the CPU, so it never needs `torch.cuda.set_device`. On a group whose backend has no gloo
-    part (plain NCCL), the first call creates a gloo group over the same ranks and reuses it.
+    part (plain NCCL), the first call creates a gloo group over the same ranks, with torch's
+    default gloo timeout, and reuses it afterwards.
 
     Raises on every rank: TypeError on a rank whose object cannot be pickled (ValueError naming
     that rank on the others).
     """
     name = "all_gather_object"
+    _setup(name, group)
     payload, error = None, None
     try:
         payload = _pickle_to_cpu(obj)
     except Exception as exc:  # pickling raises many types: PicklingError, TypeError, AttributeError
         error = TypeError(f"{name}: could not pickle {type(obj).__name__}: {exc}")
-    cpu_group = _gloo_group(group)
-    cpu = torch.device("cpu")
-    rows = _exchange_headers(name, payload, cpu_group, cpu, error=error)
-    sizes = [s[0] for s in _shapes(rows)]
+    cpu_group, cpu = _gloo_group(group), torch.device("cpu")
+    rows = _exchange_headers(name, payload, error, cpu_group, cpu)
+    sizes = [shape[0] for shape in _shapes(rows)]
     chunks = _gather_bytes(payload, sizes, cpu_group).wait().split(sizes)
-    return [pickle.loads(c.numpy().tobytes()) for c in chunks]
+    return [pickle.loads(chunk.numpy().tobytes()) for chunk in chunks]
 
 
 def all_reduce_mean(value, group=None):
@@ -176,42 +182,43 @@ def all_reduce_mean(value, group=None):
 
     - A tensor: every rank gets a new tensor of the same shape on the same device. Floating and
       complex inputs keep their dtype (16-bit floats are summed in float32); integer and bool
-      inputs give float64. Collectives: 2, a header all-gather and the all-reduce.
+      inputs give float64.
     - A dict of str -> number or 0-d tensor: every rank gets a dict of Python floats with the
-      same keys, summed in float64 so counts and sums stay exact. Collectives: 2.
+      same keys, summed in float64 so counts and sums stay exact. Key order may differ by rank.
 
-    Raises on every rank: ValueError when shapes or dtypes (tensor), or key sets (dict), differ
-    between ranks; TypeError on a rank that passed anything else (ValueError naming that rank on
-    the others).
+    Collectives: 2, a header all-gather and the all-reduce (2 more, through
+    `all_gather_object`, only to report key sets that differ).
+
+    Raises on every rank: ValueError when shapes or dtypes (tensor), key sets (dict), or the kind
+    of input differ between ranks; TypeError on a rank that passed anything else (ValueError
+    naming that rank on the others).
     """
     name = "all_reduce_mean"
-    device = _comm_device(group)
-    world = get_world_size(group)
+    device = _setup(name, group, value)
     if isinstance(value, dict):
-        keys, values, error = _dict_values(name, value, device)  # keys sorted: order may differ by rank
-        rows = _exchange_headers(name, values, group, device, error=error, extra=_keys_hash(keys))
-        if len({(row[3], row[4]) for row in rows}) > 1:
-            all_keys = all_gather_object(keys, group)  # only on this error path, on every rank
-            raise ValueError(
-                f"{name}: every rank needs the same keys; got "
-                + "; ".join(f"rank {r}: {sorted(k)}" for r, k in enumerate(all_keys))
-            )
-        if values.numel():
-            _all_reduce_sum(values, group)
-        means = dict(zip(keys, values.tolist()))
-        return {k: means[k] / world for k in value}
-
-    rows = _exchange_headers(name, value, group, device)
-    if len({(row[1], *_shape(row)) for row in rows}) > 1:
-        raise ValueError(f"{name}: every rank needs the same shape and dtype; got " + _describe(rows))
-    if value.is_floating_point() or value.is_complex():
-        out_dtype = value.dtype
-        acc_dtype = torch.float32 if value.element_size() < 4 and value.is_floating_point() else value.dtype
+        keys, total, error = _dict_values(name, value, device)
+        spec, kind = total, _keys_hash(keys)  # a non-negative kind marks a dict and its keys
     else:
-        out_dtype = acc_dtype = torch.float64
-    total = value.detach().to(device=device, dtype=acc_dtype, copy=True)
-    _all_reduce_sum(total, group)
-    return total.div_(world).to(device=value.device, dtype=out_dtype)
+        keys, (total, error) = None, _accumulator(name, value, device)
+        spec, kind = value, -1
+    rows = _exchange_headers(name, spec, error, group, device, extra=kind)
+    if len({row[3] < 0 for row in rows}) > 1:
+        kinds = "; ".join(f"rank {r}: {'a tensor' if row[3] < 0 else 'a dict'}" for r, row in enumerate(rows))
+        raise ValueError(f"{name}: every rank needs the same kind of input; got {kinds}")
+    if keys is not None and len({(row[3], row[4]) for row in rows}) > 1:
+        every_keys = all_gather_object(keys, group)
+        listing = "; ".join(f"rank {r}: {k}" for r, k in enumerate(every_keys))
+        raise ValueError(f"{name}: every rank needs the same keys; got {listing}")
+    if keys is None and len({(row[1], *_shape(row)) for row in rows}) > 1:
+        raise ValueError(f"{name}: every rank needs the same shape and dtype; got {_describe(rows)}")
+    if _initialized() and total.numel():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    total /= get_world_size(group)
+    if keys is None:
+        out_dtype = value.dtype if value.is_floating_point() or value.is_complex() else torch.float64
+        return total.to(device=value.device, dtype=out_dtype)
+    means = dict(zip(keys, total.tolist()))
+    return {k: means[k] for k in value}
 
 
 def gather_for_metrics(results, indices, num_samples, group=None):
@@ -222,8 +229,8 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     `num_samples` the dataset's length. Every rank gets the same new tensor of shape
     `(num_samples, *results.shape[1:])`, on the input's device, whose row i is the result for
     sample i: each sample counted exactly once, whether or not the sampler shuffled, and the
-    duplicates a `DistributedSampler` pads with dropped (when a sample appears more than once,
-    one of its rows is kept). Works when `num_samples` is smaller than the world size.
+    duplicates a `DistributedSampler` pads with dropped (of a sample's rows, the one from the
+    lowest rank, first on that rank, is kept). Works when `num_samples` < world size.
 
     Collectives: a header all-gather, then results and indices together as in `all_gather_concat`.
 
@@ -233,98 +240,111 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     index per row (ValueError naming that rank on the others).
     """
     name = "gather_for_metrics"
-    device = _comm_device(group)
-    error = _check_metrics_args(name, results, indices, num_samples)
-    rows = _exchange_headers(
-        name, results, group, device, error=error, extra=num_samples if error is None else 0
-    )
-    dtypes, shapes = _dtypes(rows), _shapes(rows)
-    if len(set(dtypes)) > 1 or len({(s[1:], row[3]) for s, row in zip(shapes, rows)}) > 1:
+    device = _setup(name, group, results)
+    payload, error = _metrics_payload(name, results, indices, num_samples, device)
+    rows = _exchange_headers(name, results, error, group, device, extra=num_samples)
+    shapes = _shapes(rows)
+    if len({(row[1], row[3], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
+        numbers = ", ".join(str(row[3]) for row in rows)
         raise ValueError(
             f"{name}: every rank needs the same dtype, sizes after dim 0 and num_samples; got "
-            + _describe(rows)
-            + " with num_samples "
-            + ", ".join(str(row[3]) for row in rows)
+            f"{_describe(rows)}; num_samples {numbers}"
         )
-    row_bytes = math.prod(shapes[0][1:]) * results.element_size()
-    index_bytes = _as_bytes(torch.as_tensor(indices).to(torch.int64), device)
-    payload = torch.cat([_as_bytes(results, device), index_bytes])
-    counts = [s[0] for s in shapes]
+    row_shape = shapes[0][1:]
+    counts = [shape[0] for shape in shapes]
+    row_bytes = math.prod(row_shape) * results.element_size()
     sizes = [n * (row_bytes + 8) for n in counts]
-    packed = _gather_bytes(payload, sizes, group).wait()
-
-    out = torch.empty(num_samples, row_bytes, dtype=torch.uint8, device=device)
-    seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
-    for rank, chunk in enumerate(packed.split(sizes)):
-        n = counts[rank]
-        # clone() realigns the index bytes: they may start at an offset that int64 cannot view.
-        rank_indices = chunk[n * row_bytes :].clone().view(torch.int64)
-        bad = rank_indices[(rank_indices < 0) | (rank_indices >= num_samples)]
-        if bad.numel():
-            raise ValueError(
-                f"{name}: rank {rank} holds index {bad[0].item()}, outside range(num_samples={num_samples})"
-            )
-        out[rank_indices] = chunk[: n * row_bytes].view(n, row_bytes)
-        seen[rank_indices] = True
-    missing = (~seen).nonzero().flatten()
+    chunks = _gather_bytes(payload, sizes, group).wait().split(sizes)
+    # cat() copies into fresh memory, aligned for the int64 view.
+    all_indices = torch.cat([chunk[n * row_bytes :] for chunk, n in zip(chunks, counts)]).view(torch.int64)
+    all_rows = torch.cat([chunk[: n * row_bytes] for chunk, n in zip(chunks, counts)]).view(
+        sum(counts), row_bytes
+    )
+    outside = ((all_indices < 0) | (all_indices >= num_samples)).nonzero().flatten()
+    if outside.numel():
+        position = outside[0].item()
+        rank = bisect.bisect_right(list(itertools.accumulate(counts)), position)
+        raise ValueError(
+            f"{name}: rank {rank} holds index {all_indices[position].item()}, "
+            f"outside range(num_samples={num_samples})"
+        )
+    # For each sample, the first row that holds it: a gather, so duplicates cannot mix bytes.
+    first = torch.full((num_samples,), len(all_indices), dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, all_indices, torch.arange(len(all_indices), device=device), reduce="amin")
+    missing = (first == len(all_indices)).nonzero().flatten()
     if missing.numel():
         raise ValueError(
             f"{name}: {missing.numel()} of {num_samples} samples are held by no rank, "
             f"e.g. indices {missing[:8].tolist()}"
         )
-    return out.view(results.dtype).view(num_samples, *shapes[0][1:]).to(results.device)
+    ordered = all_rows[first].view(results.dtype).view(num_samples, *row_shape)
+    return ordered.to(results.device)
 
 
 # ---------------------------------------------------------------------------------------------
 # Internals: the header exchange, the byte transfer, and small helpers.
 
 
-def _is_tensor(x):
-    return isinstance(x, torch.Tensor)
+def _setup(name, group, tensor=None):
+    """Check membership, then return the device this rank's collectives on `group` use.
 
-
-def _comm_device(group):
-    """Where this group's collectives run: the current GPU for NCCL, the CPU otherwise."""
-    if _initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_tensor(name, tensor, device):
-    """The exception this rank's argument deserves, or None."""
-    if not _is_tensor(tensor):
-        return TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if device.type == "cuda" and tensor.device != device:
-        return ValueError(
-            f"{name}: the tensor is on {tensor.device} but this rank's NCCL device is {device}; "
-            "call torch.cuda.set_device(local_rank) before init_process_group and keep tensors there"
-        )
-    if tensor.dim() > _MAX_NDIM:
-        return ValueError(f"{name}: at most {_MAX_NDIM} dims are supported, got {tensor.dim()}")
-    return None
-
-
-def _exchange_headers(name, tensor, group, device, error=None, extra=0):
-    """All-gather one header row per rank (one collective) and return the rows as lists.
-
-    Raises on every rank, before any data moves, if any rank's input was bad.
+    That is the CPU unless the group is NCCL-only; then the tensor's GPU if it is on one, else
+    the GPU the group is bound to, else the current GPU.
     """
-    if _initialized() and dist.get_rank(group) < 0:
+    if not _initialized():
+        return torch.device("cpu")
+    if dist.get_rank(group) < 0:
         raise ValueError(f"{name}: this rank is not a member of the given group")
-    error = error or _check_tensor(name, tensor, device)
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        return tensor.device
+    bound = getattr(group or dist.group.WORLD, "bound_device_id", None)
+    return bound or torch.device("cuda", torch.cuda.current_device())
+
+
+def _local_payload(name, tensor, device):
+    """(this rank's tensor as flat bytes on `device`, None), or (None, the error it deserves).
+
+    Every failure is caught here, before the header exchange, so that it reaches the other
+    ranks as an error flag instead of leaving them waiting in the data collective.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return None, TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        return None, TypeError(f"{name}: expected a dense tensor, got layout {tensor.layout}")
+    if tensor.dim() > _MAX_NDIM:
+        return None, ValueError(f"{name}: at most {_MAX_NDIM} dims are supported, got {tensor.dim()}")
+    try:
+        return _as_bytes(tensor, device), None
+    except RuntimeError as exc:  # e.g. a meta tensor, or no memory left on the device
+        return None, ValueError(f"{name}: could not read this rank's tensor: {exc}")
+
+
+def _as_bytes(tensor, device):
+    """The tensor's data as a flat uint8 tensor on `device`, without copying when it can."""
+    dense = tensor.detach().resolve_conj().resolve_neg()  # lazy conj/neg views have no plain bytes
+    return dense.to(device).contiguous().view(-1).view(torch.uint8)
+
+
+def _exchange_headers(name, spec, error, group, device, extra=0):
+    """All-gather one header row per rank, made from `spec`'s dtype and shape (one collective).
+
+    Returns the rows as lists. Raises on every rank, before any data moves, if any rank's
+    input was bad (`error` on this rank).
+    """
     header = [1] + [0] * (_HEADER_LEN - 1)
     if error is None:
-        shape = list(tensor.shape)
-        header = [0, _DTYPES.index(tensor.dtype), len(shape), extra, *shape]
+        header = [0, _DTYPES.index(spec.dtype), spec.dim(), extra, *spec.shape]
         header += [0] * (_HEADER_LEN - len(header))
-    world = get_world_size(group)
-    if world == 1:
-        rows = [header]
-    else:
+    if _initialized():
+        world = get_world_size(group)
         local = torch.tensor(header, dtype=torch.int64, device=device)
         gathered = torch.empty(world * _HEADER_LEN, dtype=torch.int64, device=device)
         _all_gather_equal(gathered, local, group).wait()
         rows = gathered.view(world, _HEADER_LEN).tolist()
+    else:
+        rows = [header]
     if error is not None:
         raise error
     bad = [rank for rank, row in enumerate(rows) if row[0]]
@@ -344,20 +364,11 @@ def _shapes(rows):
     return [_shape(row) for row in rows]
 
 
-def _dtypes(rows):
-    return [_DTYPES[row[1]] for row in rows]
-
-
 def _describe(rows):
     return "; ".join(
         f"rank {r}: {str(_DTYPES[row[1]]).replace('torch.', '')}{list(_shape(row))}"
         for r, row in enumerate(rows)
     )
-
-
-def _as_bytes(tensor, device):
-    """The tensor's data as a flat uint8 tensor on `device`, without copying when it can."""
-    return tensor.detach().to(device).contiguous().view(-1).view(torch.uint8)
 
 
 def _all_gather_equal(out, inp, group):
@@ -375,9 +386,9 @@ def _gather_bytes(local, sizes, group, then=lambda packed: packed):
     Returns a GatherHandle whose `wait()` gives `then(packed)`, where `packed` holds all ranks'
     bytes concatenated in rank order.
     """
-    world, largest = len(sizes), max(sizes)
-    if world == 1:
+    if not _initialized():
         return GatherHandle([], lambda: then(local.clone()))
+    world, largest = len(sizes), max(sizes)
     out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
     if largest == min(sizes):
         works = [_all_gather_equal(out, local, group)]
@@ -406,16 +417,11 @@ def _gather_bytes(local, sizes, group, then=lambda packed: packed):
     return GatherHandle(works, lambda: then(out))
 
 
-def _all_reduce_sum(tensor, group):
-    if get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-
-
 class _CpuPickler(pickle.Pickler):
     """Pickles every tensor as a CPU tensor, so no rank unpickles onto another rank's GPU."""
 
     def reducer_override(self, obj):
-        if _is_tensor(obj) and obj.device.type != "cpu":
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
             return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return NotImplemented
 
@@ -440,20 +446,34 @@ def _cached_gloo_group(group):
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
 
+def _accumulator(name, value, device):
+    """(a float copy of `value` on `device` to sum into, None), or (None, the error it deserves)."""
+    if not isinstance(value, torch.Tensor):
+        return None, TypeError(f"{name}: expected a torch.Tensor or a dict, got {type(value).__name__}")
+    if value.is_floating_point() or value.is_complex():
+        dtype = torch.float32 if value.element_size() < 4 and value.is_floating_point() else value.dtype
+    else:
+        dtype = torch.float64
+    try:
+        return value.detach().resolve_conj().resolve_neg().to(device=device, dtype=dtype, copy=True), None
+    except RuntimeError as exc:
+        return None, ValueError(f"{name}: could not read this rank's tensor: {exc}")
+
+
 def _dict_values(name, value, device):
-    """(sorted keys, float64 values in key order, error) for a dict of str -> number or 0-d tensor."""
+    """(sorted keys, their values as float64 on `device`, None), or ([], None, the error)."""
     try:
         if not all(isinstance(k, str) for k in value):
             raise TypeError("keys must be str")
         keys = sorted(value)
         numbers = [_number(value[k]) for k in keys]
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
         return [], None, TypeError(f"{name}: expected a dict of str -> number or 0-d tensor ({exc})")
     return keys, torch.tensor(numbers, dtype=torch.float64, device=device), None
 
 
 def _number(v):
-    if _is_tensor(v) and v.dim() == 0:
+    if isinstance(v, torch.Tensor) and v.dim() == 0:
         return v.item()
     if isinstance(v, (bool, int, float)):
         return v
@@ -461,32 +481,34 @@ def _number(v):
 
 
 def _keys_hash(keys):
-    # Fits an int64: crc32 is 32 bits.
-    return zlib.crc32("\0".join(keys).encode())
+    """A non-negative int64 that differs, but for a 2**-56 chance, when the key lists differ."""
+    return int.from_bytes(hashlib.blake2b(repr(keys).encode(), digest_size=7).digest(), "big")
 
 
-def _check_metrics_args(name, results, indices, num_samples):
-    if not _is_tensor(results) or results.dim() == 0:
-        return TypeError(
-            f"{name}: results must be a tensor with one row per sample, got {type(results).__name__}"
-        )
+def _metrics_payload(name, results, indices, num_samples, device):
+    """(results then int64 indices as flat bytes on `device`, None), or (None, the error)."""
+    if isinstance(results, torch.Tensor) and results.dim() == 0:
+        return None, TypeError(f"{name}: results must have one row per sample, got a 0-d tensor")
+    payload, error = _local_payload(name, results, device)
+    if error is not None:
+        return None, error
     try:
         indices = torch.as_tensor(indices)
     except (TypeError, ValueError, RuntimeError):
-        return TypeError(f"{name}: indices must be a 1-D integer tensor, got {type(indices).__name__}")
+        return None, TypeError(f"{name}: indices must be a 1-D integer tensor, got {type(indices).__name__}")
     if (
         indices.dim() != 1
         or indices.is_floating_point()
         or indices.is_complex()
         or indices.dtype == torch.bool
     ):
-        return TypeError(
+        return None, TypeError(
             f"{name}: indices must be a 1-D integer tensor, got {indices.dtype}{list(indices.shape)}"
         )
     if len(indices) != len(results):
-        return ValueError(
+        return None, ValueError(
             f"{name}: {len(indices)} indices for {len(results)} result rows; expected one index per row"
         )
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 0:
-        return TypeError(f"{name}: num_samples must be a non-negative int, got {num_samples!r}")
-    return None
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 0 <= num_samples < 2**63:
+        return None, TypeError(f"{name}: num_samples must be a non-negative int, got {num_samples!r}")
+    return torch.cat([payload, _as_bytes(indices.to(torch.int64), device)]), None

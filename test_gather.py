@@ -177,6 +177,25 @@ def check_all_reduce_mean_dict(device, group=None):
     assert gu.all_reduce_mean({}, group) == {}
 
 
+def check_all_gather_concat_lazy_views(device, group=None):
+    """conj() and neg-bit views hold no plain bytes until resolved; they must gather like any tensor."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    local = torch.full((2,), complex(rank, 1), device=device).conj()
+    want = torch.tensor([complex(r, -1) for r in range(world) for _ in range(2)], device=device)
+    assert torch.equal(gu.all_gather_concat(local, group), want)
+    assert torch.equal(gu.all_gather_concat(local.imag, group), want.imag)  # a neg-bit view
+    assert torch.equal(gu.all_reduce_mean(local, group), want.mean().expand(2))
+
+
+def check_gather_for_metrics_keeps_first_duplicate(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    results = torch.tensor([[rank, 0], [rank, 1], [rank, 2]], device=device)
+    indices = torch.tensor([rank, rank, world], device=device)  # sample `world` on every rank
+    out = gu.gather_for_metrics(results, indices, world + 1, group)
+    want = [[r, 0] for r in range(world)] + [[0, 2]]
+    assert out.tolist() == want
+
+
 def gather_for_metrics_case(device, group, num_samples, shuffle):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     sampler = DistributedSampler(range(num_samples), num_replicas=world, rank=rank, shuffle=shuffle, seed=3)
@@ -249,7 +268,7 @@ def check_bad_input_not_a_tensor_on_one_rank(device, group=None):
     local = [1, 2, 3] if rank == 1 else torch.zeros(3, device=device)
     for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
         if rank == 1:
-            expect_error(TypeError, lambda: fn(local, group), "expected a torch.Tensor, got list")
+            expect_error(TypeError, lambda: fn(local, group), "expected a torch.Tensor", "got list")
         else:
             expect_error(ValueError, lambda: fn(local, group), "rank 1 passed invalid input")
     if rank == 1:
@@ -271,6 +290,25 @@ def check_bad_input_dict_keys_differ(device, group=None):
         expect_error(
             ValueError, lambda: gu.all_reduce_mean({"loss": 1.0}, group), "rank 1 passed invalid input"
         )
+    check_group_still_works(device, group)
+
+
+def check_bad_input_unreadable_tensor_on_one_rank(device, group=None):
+    """Failures found while reading the tensor must reach the other ranks, not strand them."""
+    rank = gu.get_rank(group)
+    for bad, words in [
+        (torch.zeros(1, 1, device=device).to_sparse(), "dense tensor"),
+        (torch.zeros([1] * 13, device=device), "at most 12 dims"),
+        (torch.empty(2, 1, device="meta"), "could not read"),
+    ]:
+        local = bad if rank == 1 else torch.zeros(2, 1, device=device)
+        error = TypeError if "dense" in words else ValueError
+        if rank == 1:
+            expect_error(error, lambda: gu.all_gather_concat(local, group), words)
+        else:
+            expect_error(
+                ValueError, lambda: gu.all_gather_concat(local, group), "rank 1 passed invalid input"
+            )
     check_group_still_works(device, group)
 
 
@@ -305,6 +343,12 @@ def check_bad_input_gather_for_metrics(device, group=None):
             lambda: gu.gather_for_metrics(results, short, 2 * world, group),
             "rank 1 passed invalid input",
         )
+    if rank == 1:
+        expect_error(TypeError, lambda: gu.gather_for_metrics([0.0, 0.0], own, 2 * world, group), "got list")
+    else:
+        expect_error(
+            ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world, group), "rank 1 passed"
+        )
     check_group_still_works(device, group)
 
 
@@ -314,10 +358,19 @@ def check_subgroup(device, group=None):
     members = list(range(1, world)) or [0]
     sub = dist.new_group(members)
     if dist.get_rank() not in members:
+        expect_error(ValueError, lambda: gu.all_gather_concat(torch.zeros(1), sub), "not a member")
         return
     assert gu.all_gather_concat(torch.tensor([dist.get_rank()], device=device), sub).tolist() == members
-    for check in CHECKS:
+    for check in CHECKS + (MULTI_RANK_CHECKS if len(members) > 1 else []):
         check(device, sub)
+
+
+def check_default_group(device, group=None):
+    """The checks above run on explicit groups; group=None must mean the whole world."""
+    check_all_gather_concat_uneven(device, None)
+    check_all_gather_object(device, None)
+    check_all_reduce_mean_dict(device, None)
+    gather_for_metrics_case(device, None, 11, shuffle=True)
 
 
 CHECKS = [
@@ -334,6 +387,8 @@ CHECKS = [
     check_all_reduce_mean_tensor,
     check_all_reduce_mean_dict,
     check_gather_for_metrics_drops_sampler_padding,
+    check_gather_for_metrics_keeps_first_duplicate,
+    check_all_gather_concat_lazy_views,
 ]
 # These need at least two ranks to disagree.
 MULTI_RANK_CHECKS = [
@@ -341,11 +396,12 @@ MULTI_RANK_CHECKS = [
     check_bad_input_trailing_shape_mismatch,
     check_bad_input_ndim_mismatch_same_numel,
     check_bad_input_not_a_tensor_on_one_rank,
+    check_bad_input_unreadable_tensor_on_one_rank,
     check_bad_input_dict_keys_differ,
     check_bad_input_gather_for_metrics,
 ]
 # Needs an initialized process group to make a subgroup from.
-DISTRIBUTED_CHECKS = [check_subgroup]
+DISTRIBUTED_CHECKS = [check_subgroup, check_default_group]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,8 +412,11 @@ def run_checks(device):
     checks = CHECKS + DISTRIBUTED_CHECKS + (MULTI_RANK_CHECKS if dist.get_world_size() > 1 else [])
     failures = {}
     for check in checks:
+        # A fresh group per check: if a check fails on one rank only, the others wait on a group
+        # that nobody uses again and time out, instead of misaligning every later check.
+        group = dist.new_group(timeout=datetime.timedelta(seconds=20))
         try:
-            check(device)
+            check(device, group)
         except Exception:
             failures[check.__name__] = traceback.format_exc(limit=-3)
     # torch's own all_gather_object: the report must not depend on the code under test.
@@ -440,7 +499,7 @@ def test_world_of_one_without_init(check):
 def test_world_of_one_bad_input():
     assert not dist.is_initialized()
     for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
-        expect_error(TypeError, lambda: fn([1, 2]), "expected a torch.Tensor, got list")
+        expect_error(TypeError, lambda: fn([1, 2]), "expected a torch.Tensor", "got list")
     expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0), "could not pickle")
     expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}), "str -> number")
     results, indices = torch.zeros(2, 1), torch.tensor([0, 1])
