@@ -46,5 +46,13 @@ else
     # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
     rendezvous=(--standalone)
 fi
-exec torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" \
-    "$here/train_ddp.py" "$@"
+torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@" &
+torchrun_pid=$!
+# SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
+# exit 0, and torchrun with them. Sent to torchrun, it would kill them and print a traceback.
+trap 'pkill -TERM -P "$torchrun_pid"' TERM
+status=0
+while kill -0 "$torchrun_pid" 2>/dev/null; do
+    wait "$torchrun_pid" && status=0 || status=$?
+done
+exit "$status"

@@ -208,6 +208,9 @@ def init_distributed(args, device):
         # (30 min gloo, 10 min NCCL), so a rank that is merely slow never trips them.
         timeout = datetime.timedelta(seconds=args.init_timeout)
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        # torchrun (2.14) keeps one store across restarts (MAX_RESTARTS): without a prefix per
+        # attempt, a restarted rank finds the previous attempt's addresses and cannot connect.
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
         dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
         dist.barrier()
     except (RuntimeError, ValueError) as e:
@@ -394,7 +397,7 @@ class Throughput:
     def __init__(self, images_per_step, total_steps, device):
         self.images_per_step, self.total_steps, self.device = images_per_step, total_steps, device
         self.steps = 0
-        self.start = None
+        self.start = self.timed_from = None
 
     def step(self):
         self.steps += 1
@@ -454,7 +457,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, fi
             rate = meter.images_per_sec()
             log(f"epoch {epoch + 1}/{args.epochs} step {done}/{steps} ({global_step}/{meter.total_steps}) "
                 f"loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.4g} "
-                f"{'' if rate is None else f'{rate:.1f} '}img/s eta {meter.eta(global_step)}")
+                f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step)}")
         if all_ranks_agree_to_stop(stop, device):
             return None, done, True
     if done == first_step:

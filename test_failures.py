@@ -1,0 +1,265 @@
+"""Failure tests for train_ddp.py and launch.sh: ranks really killed, stopped and signalled,
+ports really taken, bad input really given. CPU/gloo, each with a hard timeout.
+
+Cases 2 to 4 resume the interrupted job and compare its final weights with an uninterrupted
+run of the same arguments: they must be bit-identical on CPU.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, finish, \
+    free_port, kill_tree, load, metrics, ok, run, torchrun
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def start_logged(cmd, log_dir, env=None):
+    """Start cmd with its output in files, so the test can watch the log while it runs."""
+    out, err = open(log_dir / "stdout.log", "w"), open(log_dir / "stderr.log", "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env or clean_env(), cwd=Path(TRAIN).parent,
+                            start_new_session=True)
+    proc.log_dir = log_dir
+    return proc
+
+
+def subdir(path):
+    path.mkdir()
+    return path
+
+
+def wait_for(condition, proc, what, timeout=RUN_TIMEOUT, interval=0.05):
+    began = time.monotonic()
+    while not condition():
+        if proc.poll() is not None or time.monotonic() - began > timeout:
+            kill_tree(proc)
+            pytest.fail(f"never saw {what}; exit {proc.poll()}\n{stdout(proc)[-2000:]}\n{stderr(proc)[-3000:]}")
+        time.sleep(interval)
+
+
+def stdout(proc):
+    return (proc.log_dir / "stdout.log").read_text()
+
+
+def stderr(proc):
+    return (proc.log_dir / "stderr.log").read_text()
+
+
+def wait_exit(proc, timeout):
+    began = time.monotonic()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        pytest.fail(f"still running {timeout} s later\n{stdout(proc)[-2000:]}\n{stderr(proc)[-3000:]}")
+    return time.monotonic() - began
+
+
+def worker(proc, rank):
+    """The pid of the training process with this RANK among proc's descendants."""
+    for pid in descendants(proc.pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} under {proc.pid}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Final weights of an uninterrupted 2-rank run of TINY."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ok(run(torchrun(2, *TINY, "--checkpoint-dir", out)))
+    return load(out / "last.pt")["model"]
+
+
+def resume_and_compare(tmp_path, uninterrupted):
+    ok(run(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path), "--resume", str(tmp_path / "last.pt")]))
+    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
+
+
+# ---------------------------------------------------------------- 1. rendezvous that cannot complete
+def test_wrong_world_size_fails_within_init_timeout(tmp_path):
+    port = free_port()
+    procs = [start_logged([sys.executable, TRAIN, *TINY, "--init-timeout", "5", "--checkpoint-dir", str(tmp_path)],
+                          subdir(tmp_path / f"r{r}"),
+                          env=clean_env(RANK=r, WORLD_SIZE=3, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    seconds = [wait_exit(p, 60) for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    assert max(seconds) < 5 + 25  # the timeout, plus generous start-up time for torch on 2 busy cores
+    rank0 = stderr(procs[0])
+    assert rank0.count("train_ddp.py: error: rank 0: the process group did not form within --init-timeout 5 s: "
+                       "expected WORLD_SIZE=3 ranks at 127.0.0.1:") == 1, rank0
+    assert "2/3 clients joined" in rank0
+    assert "train_ddp.py: error: rank 1:" in stderr(procs[1])
+
+
+def test_unreachable_master_fails_within_init_timeout(tmp_path):
+    closed_port = free_port()  # nobody listens there
+    began = time.monotonic()
+    result = run([sys.executable, TRAIN, *TINY, "--init-timeout", "5"], timeout=60,
+                 env=clean_env(RANK=1, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=closed_port))
+    assert result.returncode != 0
+    assert time.monotonic() - began < 5 + 25
+    assert f"rank 1: the process group did not form within --init-timeout 5 s: expected WORLD_SIZE=2 ranks at " \
+           f"127.0.0.1:{closed_port}" in result.stderr
+
+
+# ---------------------------------------------------------------- 2. a rank killed with SIGKILL
+def test_sigkill_of_a_rank_stops_the_job_and_resume_continues(tmp_path, uninterrupted):
+    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    wait_for(lambda: (tmp_path / "last.pt").exists(), job, "the epoch-1 checkpoint")
+    os.kill(worker(job, 1), signal.SIGKILL)
+    seconds = wait_exit(job, 60)
+    assert job.returncode != 0 and seconds < 60
+    assert "exitcode: -9) local_rank: 1" in stderr(job), stderr(job)[-3000:]
+    resume_and_compare(tmp_path, uninterrupted)
+
+
+def test_max_restarts_resumes_by_itself(tmp_path, uninterrupted):
+    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path,
+                       env=clean_env(MAX_RESTARTS=1))
+    wait_for(lambda: (tmp_path / "last.pt").exists(), job, "the epoch-1 checkpoint")
+    os.kill(worker(job, 1), signal.SIGKILL)
+    wait_exit(job, RUN_TIMEOUT)
+    assert job.returncode == 0, stderr(job)[-3000:]
+    assert f"resumed from {tmp_path / 'last.pt'} at epoch 2 step 0" in stdout(job)
+    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
+
+
+# ---------------------------------------------------------------- 3. SIGTERM
+def sigterm_mid_epoch(tmp_path, target):
+    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    wait_for(lambda: "epoch 2/2 step 8/32" in stdout(job), job, "step 8 of epoch 2", interval=0.01)
+    os.kill(job.pid if target == "launcher" else worker(job, 1), signal.SIGTERM)
+    seconds = wait_exit(job, 60)
+    assert job.returncode == 0 and seconds < 30, stderr(job)[-3000:]
+    checkpoint = load(tmp_path / "last.pt")
+    assert checkpoint["epoch"] == 1 and 8 <= checkpoint["step"] < 32  # 0-based epoch 1 = the second
+    assert f"stopped by SIGTERM at epoch 2 step {checkpoint['step']}/32" in stdout(job)
+    return checkpoint
+
+
+def test_sigterm_to_launcher_saves_mid_epoch_and_resumes_exactly(tmp_path, uninterrupted):
+    sigterm_mid_epoch(tmp_path, "launcher")
+    resume_and_compare(tmp_path, uninterrupted)
+
+
+def test_sigterm_to_one_rank_stops_all_ranks_and_resumes_exactly(tmp_path, uninterrupted):
+    sigterm_mid_epoch(tmp_path, "rank 1")
+    resume_and_compare(tmp_path, uninterrupted)
+
+
+# ---------------------------------------------------------------- 4. a kill during the checkpoint write
+def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, uninterrupted):
+    last, tmp = tmp_path / "last.pt", tmp_path / "last.pt.tmp"
+    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    wait_for(last.exists, job, "the epoch-1 checkpoint")
+    wait_for(tmp.exists, job, "the epoch-2 checkpoint being written", interval=0.002)
+    kill_tree(job)
+    job.wait()
+    assert tmp.exists()  # the write really was cut short
+    checkpoint = load(last)
+    assert checkpoint["epoch"] == 1
+    resume_and_compare(tmp_path, uninterrupted)
+
+
+# ---------------------------------------------------------------- 5. ports
+def test_port_29500_taken_and_two_jobs_at_once(tmp_path):
+    blocker = socket.socket()
+    try:
+        blocker.bind(("127.0.0.1", 29500))
+        blocker.listen()
+    except OSError:
+        pass  # already taken by another program, which is the case under test anyway
+    args = ["--arch", "resnet18", "--train-samples", "64", "--val-samples", "10", "--batch-size", "8", "--epochs", "1"]
+    jobs = [start_logged(["bash", LAUNCH, "2", *args, "--checkpoint-dir", str(tmp_path / f"job{i}")],
+                         subdir(tmp_path / f"job{i}")) for i in range(2)]
+    for job in jobs:
+        wait_exit(job, RUN_TIMEOUT)
+    blocker.close()
+    for job in jobs:
+        assert job.returncode == 0, stderr(job)[-3000:]
+        assert "Address already in use" not in stderr(job)
+        assert (job.log_dir / "last.pt").exists()
+
+
+# ---------------------------------------------------------------- 6. bad input fails fast, once
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory, uninterrupted):
+    root = tmp_path_factory.mktemp("bad")
+    for split in ["train", "val"]:
+        (root / "no_images" / split / "cat").mkdir(parents=True)
+        (root / "no_images" / split / "cat" / "notes.txt").write_text("not an image")
+    (root / "corrupt.pt").write_bytes(b"this is not a checkpoint" * 100)
+    torch.save({"model": uninterrupted, "args": {"arch": "resnet18"}}, root / "resnet18.pt")
+    return root
+
+
+BAD_INPUTS = {
+    "N missing": ([], "launch.sh: error: N must be a positive integer, got ''"),
+    "N zero": (["0"], "launch.sh: error: N must be a positive integer, got '0'"),
+    "N not a number": (["four"], "launch.sh: error: N must be a positive integer, got 'four'"),
+    "data missing": (["2", "--data", "{root}/nowhere"], "--data {root}/nowhere: no such directory"),
+    "data without images": (["2", "--data", "{root}/no_images"], "{root}/no_images/train holds no images"),
+    "unknown arch": (["2", "--arch", "resnet_nope"], "unknown --arch 'resnet_nope'"),
+    "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
+    "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    "resume missing": (["2", "--resume", "{root}/none.pt"], "--resume {root}/none.pt: no such file"),
+    "resume corrupt": (["2", "--resume", "{root}/corrupt.pt"], "--resume {root}/corrupt.pt: not a readable checkpoint"),
+    "resume other arch": (["2", "--resume", "{root}/resnet18.pt"],
+                          "--resume {root}/resnet18.pt holds a resnet18 model but --arch is resnet50"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_fails_fast_with_one_line(case, bad_inputs):
+    args, message = BAD_INPUTS[case]
+    args = [a.format(root=bad_inputs) for a in args]
+    result = run(["bash", LAUNCH, *args], timeout=30)
+    assert result.returncode != 0 and result.seconds < 15
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message.format(root=bad_inputs) in lines[0], result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
+def test_more_processes_than_gpus_fails_fast():
+    n = torch.cuda.device_count() + 1
+    result = run(["bash", LAUNCH, str(n)], timeout=30)
+    assert result.returncode != 0 and result.seconds < 15
+    assert result.stderr.strip().splitlines() == [
+        f"launch.sh: error: N={n} processes but only {n - 1} GPUs; use N <= {n - 1} (one process per GPU)"]
+
+
+def test_val_set_smaller_than_world_size_works(tmp_path):
+    ok(run(torchrun(3, "--arch", "resnet18", "--train-samples", "48", "--val-samples", "2", "--batch-size", "8",
+                    "--epochs", "1", "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl")))
+    record = metrics(tmp_path / "m.jsonl")[0]
+    assert record["val_samples"] == 2 and record["val_acc1"] in (0.0, 50.0, 100.0)
+
+
+# ---------------------------------------------------------------- 7. a rank late at evaluation
+def test_rank_late_at_evaluation_does_not_time_out(tmp_path):
+    # Rank 1 is frozen for longer than --init-timeout just as rank 0 starts validating: the
+    # collectives must wait for it (their timeout is torch's 30 min default), not fail.
+    job = start_logged(["bash", LAUNCH, "2", *TINY, "--epochs", "1", "--init-timeout", "3", "--checkpoint-dir",
+                        str(tmp_path), "--metrics-file", str(tmp_path / "m.jsonl")], tmp_path)
+    wait_for(lambda: "step 32/32" in stdout(job), job, "the end of the training epoch", interval=0.01)
+    late = worker(job, 1)
+    os.kill(late, signal.SIGSTOP)
+    time.sleep(8)
+    os.kill(late, signal.SIGCONT)
+    wait_exit(job, RUN_TIMEOUT)
+    assert job.returncode == 0, stderr(job)[-3000:]
+    assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 50
