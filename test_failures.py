@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, finish, \
+from test_train import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
     free_port, kill_tree, load, metrics, ok, run, torchrun
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own timeout
 
 
 def start_logged(cmd, log_dir, env=None):
@@ -202,6 +202,7 @@ def bad_inputs(tmp_path_factory, uninterrupted):
         (root / "no_images" / split / "cat").mkdir(parents=True)
         (root / "no_images" / split / "cat" / "notes.txt").write_text("not an image")
     (root / "corrupt.pt").write_bytes(b"this is not a checkpoint" * 100)
+    (root / "a_file").write_text("")
     torch.save({"model": uninterrupted, "args": {"arch": "resnet18"}}, root / "resnet18.pt")
     return root
 
@@ -215,6 +216,8 @@ BAD_INPUTS = {
     "unknown arch": (["2", "--arch", "resnet_nope"], "unknown --arch 'resnet_nope'"),
     "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
     "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],
+                                    "--checkpoint-dir: cannot write under {root}/a_file; expected a writable directory"),
     "resume missing": (["2", "--resume", "{root}/none.pt"], "--resume {root}/none.pt: no such file"),
     "resume corrupt": (["2", "--resume", "{root}/corrupt.pt"], "--resume {root}/corrupt.pt: not a readable checkpoint"),
     "resume other arch": (["2", "--resume", "{root}/resnet18.pt"],

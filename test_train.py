@@ -25,6 +25,8 @@ TINY = ["--arch", "resnet18", "--train-samples", "512", "--val-samples", "50", "
         "--epochs", "2", "--log-every", "4"]
 RUN_TIMEOUT = 120
 
+pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own RUN_TIMEOUT
+
 
 @dataclass
 class Result:
@@ -98,7 +100,8 @@ def torchrun(nproc, *args):
 
 
 def ok(result):
-    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, \
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
     return result
 
 

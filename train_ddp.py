@@ -39,8 +39,8 @@ import gather_utils
 # real-size ResNet-50 run. Only these defaults depend on the device. The CPU run has 48 steps
 # in all, too few to recover from the usual lr of 0.1.
 DEVICE_DEFAULTS = {
-    "cpu": {"image_size": 32, "train_samples": 2048, "val_samples": 500, "batch_size": 32, "workers": 0, "lr": 0.02},
-    "cuda": {"image_size": 224, "train_samples": 64000, "val_samples": 10000, "batch_size": 64, "workers": 6, "lr": 0.1},
+    "cpu": dict(image_size=32, train_samples=2048, val_samples=500, batch_size=32, workers=0, lr=0.02),
+    "cuda": dict(image_size=224, train_samples=64000, val_samples=10000, batch_size=64, workers=6, lr=0.1),
 }
 ARCHS = torchvision.models.list_models(module=torchvision.models)
 SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.5: learnable, but not in one step
@@ -82,7 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model (default resnet50)")
     p.add_argument("--sync-bn", action="store_true", help="batch-norm statistics over all ranks")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on tensor cores)")
-    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off", help="autocast dtype; fp16 adds a GradScaler")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                   help="autocast dtype; fp16 adds a GradScaler")
     p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
                    help="compress gradients before the all-reduce")
     p.add_argument("--epochs", type=int, default=3)
@@ -134,6 +135,16 @@ def check_args(args):
         fail("--evaluate needs --resume PATH: the checkpoint to validate")
     if args.data:
         check_image_folder(Path(args.data))
+    check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
+    if args.metrics_file:
+        check_writable(Path(args.metrics_file).parent, "--metrics-file")
+
+
+def check_writable(directory, flag):
+    """Fail now rather than after an epoch of training, at the first save."""
+    existing = next(d for d in [directory, *directory.parents] if d.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        fail(f"{flag}: cannot write under {existing}; expected a writable directory")
 
 
 def check_image_folder(root):
@@ -179,6 +190,7 @@ def setup_device(args):
     if not torch.cuda.is_available():
         return torch.device("cpu")
     torch.cuda.set_device(args.local_rank)
+    torch.backends.cudnn.benchmark = True  # fixed input sizes: time the conv kernels once, keep the fastest
     return torch.device("cuda", args.local_rank)
 
 
@@ -260,8 +272,8 @@ def build_datasets(args):
     normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size), transforms.RandomHorizontalFlip(),
                                    transforms.ToTensor(), normalize])
-    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224), transforms.CenterCrop(args.image_size),
-                                 transforms.ToTensor(), normalize])
+    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224),
+                                 transforms.CenterCrop(args.image_size), transforms.ToTensor(), normalize])
     root = Path(args.data)
     return (torchvision.datasets.ImageFolder(root / "train", train_tf, allow_empty=True),
             torchvision.datasets.ImageFolder(root / "val", val_tf, allow_empty=True))
@@ -323,7 +335,10 @@ def num_classes(args):
 
 def wrap_ddp(model, args, device, warmup_steps):
     if args.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else convert_to_cpu_sync_bn(model)
+        if device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            model = convert_to_cpu_sync_bn(model)
     model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.comm_hook == "fp16":
@@ -335,8 +350,8 @@ def wrap_ddp(model, args, device, warmup_steps):
         # warm-started low-rank factors from step to step. Plain all-reduce during the lr warm-up.
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=max(2, warmup_steps))
-        hook = powerSGD_hook.powerSGD_hook if args.backend == "nccl" else one_bucket_at_a_time(powerSGD_hook.powerSGD_hook)
-        ddp.register_comm_hook(state, hook)
+        hook = powerSGD_hook.powerSGD_hook
+        ddp.register_comm_hook(state, hook if args.backend == "nccl" else one_bucket_at_a_time(hook))
     return ddp
 
 
@@ -595,10 +610,10 @@ def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, s
                   "images_per_sec": rate, "epoch_seconds": time.perf_counter() - epoch_start,
                   "replica_checksums": checksums}
         append_metrics(args, record)
-        log(f"epoch {epoch + 1}/{args.epochs} train_loss {train_loss or float('nan'):.4f} val_loss {metrics['val_loss']:.4f} "
-            f"val_acc1 {metrics['val_acc1']:.2f}% val_acc5 {metrics['val_acc5']:.2f}% "
-            f"({metrics['val_samples']} images) {'' if rate is None else f'{rate:.1f} img/s '}"
-            f"{record['epoch_seconds']:.1f} s")
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss {float('nan') if train_loss is None else train_loss:.4f} "
+            f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
+            f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
+            f"{'-' if rate is None else f'{rate:.1f}'} img/s {record['epoch_seconds']:.1f} s")
 
 
 def evaluate(model, val_set, args, device, checkpoint):
