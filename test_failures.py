@@ -115,6 +115,14 @@ def test_unreachable_master_fails_within_init_timeout(tmp_path):
            f"127.0.0.1:{closed_port}" in result.stderr
 
 
+def test_missing_node_fails_within_init_timeout(tmp_path):
+    # Node 0 of 2 started by launch.sh; node 1 never comes. INIT_TIMEOUT bounds torchrun's wait.
+    env = clean_env(NNODES=2, NODE_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), INIT_TIMEOUT=5)
+    result = run(["bash", LAUNCH, "1", *TINY, "--checkpoint-dir", str(tmp_path)], timeout=60, env=env)
+    assert result.returncode != 0 and result.seconds < 5 + 25
+    assert "Timed out after" in result.stderr and "1/2 clients joined" in result.stderr
+
+
 # ---------------------------------------------------------------- 2. a rank killed with SIGKILL
 def test_sigkill_of_a_rank_stops_the_job_and_resume_continues(tmp_path, uninterrupted):
     job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path)
