@@ -49,7 +49,7 @@ fi
 torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@" &
 torchrun_pid=$!
 # SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
-# exit 0, and torchrun with them. Sent to torchrun, it would kill them and print a traceback.
+# exit 0, and torchrun with them. torchrun would forward it too, but then exit 1 with a traceback.
 trap 'pkill -TERM -P "$torchrun_pid"' TERM
 status=0
 while kill -0 "$torchrun_pid" 2>/dev/null; do
