@@ -18,6 +18,9 @@ import torch
 from test_train import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
     free_port, kill_tree, load, metrics, ok, run, torchrun
 
+# TINY with 16 steps per epoch: these tests are about stopping and resuming, not accuracy.
+FAST = [*TINY, "--train-samples", "256"]
+
 pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own timeout
 
 
@@ -76,14 +79,14 @@ def worker(proc, rank):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Final weights of an uninterrupted 2-rank run of TINY."""
+    """Final weights of an uninterrupted 2-rank run of FAST."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    ok(run(torchrun(2, *TINY, "--checkpoint-dir", out)))
+    ok(run(torchrun(2, *FAST, "--checkpoint-dir", out)))
     return load(out / "last.pt")["model"]
 
 
 def resume_and_compare(tmp_path, uninterrupted):
-    ok(run(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path), "--resume", str(tmp_path / "last.pt")]))
+    ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path), "--resume", str(tmp_path / "last.pt")]))
     assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
 
 
@@ -125,7 +128,7 @@ def test_missing_node_fails_within_init_timeout(tmp_path):
 
 # ---------------------------------------------------------------- 2. a rank killed with SIGKILL
 def test_sigkill_of_a_rank_stops_the_job_and_resume_continues(tmp_path, uninterrupted):
-    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
     wait_for(lambda: (tmp_path / "last.pt").exists(), job, "the epoch-1 checkpoint")
     os.kill(worker(job, 1), signal.SIGKILL)
     seconds = wait_exit(job, 60)
@@ -135,7 +138,7 @@ def test_sigkill_of_a_rank_stops_the_job_and_resume_continues(tmp_path, uninterr
 
 
 def test_max_restarts_resumes_by_itself(tmp_path, uninterrupted):
-    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path,
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path,
                        env=clean_env(MAX_RESTARTS=1))
     wait_for(lambda: (tmp_path / "last.pt").exists(), job, "the epoch-1 checkpoint")
     os.kill(worker(job, 1), signal.SIGKILL)
@@ -147,14 +150,14 @@ def test_max_restarts_resumes_by_itself(tmp_path, uninterrupted):
 
 # ---------------------------------------------------------------- 3. SIGTERM
 def sigterm_mid_epoch(tmp_path, target):
-    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path)
-    wait_for(lambda: "epoch 2/2 step 8/32" in stdout(job), job, "step 8 of epoch 2", interval=0.01)
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    wait_for(lambda: "epoch 2/2 step 4/16" in stdout(job), job, "step 4 of epoch 2", interval=0.01)
     os.kill(job.pid if target == "launcher" else worker(job, 1), signal.SIGTERM)
     seconds = wait_exit(job, 60)
     assert job.returncode == 0 and seconds < 30, stderr(job)[-3000:]
     checkpoint = load(tmp_path / "last.pt")
-    assert checkpoint["epoch"] == 1 and 8 <= checkpoint["step"] < 32  # 0-based epoch 1 = the second
-    assert f"stopped by SIGTERM at epoch 2 step {checkpoint['step']}/32" in stdout(job)
+    assert checkpoint["epoch"] == 1 and 4 <= checkpoint["step"] < 16  # 0-based epoch 1 = the second
+    assert f"stopped by SIGTERM at epoch 2 step {checkpoint['step']}/16" in stdout(job)
     return checkpoint
 
 
@@ -171,7 +174,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_and_resumes_exactly(tmp_path, unint
 # ---------------------------------------------------------------- 4. a kill during the checkpoint write
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, uninterrupted):
     last, tmp = tmp_path / "last.pt", tmp_path / "last.pt.tmp"
-    job = start_logged(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
     wait_for(last.exists, job, "the epoch-1 checkpoint")
     wait_for(tmp.exists, job, "the epoch-2 checkpoint being written", interval=0.002)
     kill_tree(job)
@@ -264,9 +267,9 @@ def test_val_set_smaller_than_world_size_works(tmp_path):
 def test_rank_late_at_evaluation_does_not_time_out(tmp_path):
     # Rank 1 is frozen for longer than --init-timeout just as rank 0 starts validating: the
     # collectives must wait for it (their timeout is torch's 30 min default), not fail.
-    job = start_logged(["bash", LAUNCH, "2", *TINY, "--epochs", "1", "--init-timeout", "3", "--checkpoint-dir",
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--epochs", "1", "--init-timeout", "3", "--checkpoint-dir",
                         str(tmp_path), "--metrics-file", str(tmp_path / "m.jsonl")], tmp_path)
-    wait_for(lambda: "step 32/32" in stdout(job), job, "the end of the training epoch", interval=0.01)
+    wait_for(lambda: "step 16/16" in stdout(job), job, "the end of the training epoch", interval=0.01)
     late = worker(job, 1)
     os.kill(late, signal.SIGSTOP)
     time.sleep(8)

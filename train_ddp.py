@@ -10,6 +10,7 @@ model, training with exact validation, checkpoints, clean-up. README.md explains
 """
 import argparse
 import datetime
+import difflib
 import functools
 import json
 import math
@@ -43,7 +44,7 @@ DEVICE_DEFAULTS = {
     "cuda": dict(image_size=224, train_samples=64000, val_samples=10000, batch_size=64, workers=6, lr=0.1),
 }
 ARCHS = torchvision.models.list_models(module=torchvision.models)
-SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.5: learnable, but not in one step
+SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.75: learnable, but not in one step
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
 
 
@@ -127,8 +128,9 @@ def check_args(args):
     if args.init_timeout <= 0:
         fail(f"--init-timeout must be a positive number of seconds, got {args.init_timeout}")
     if args.arch not in ARCHS:
-        fail(f"unknown --arch '{args.arch}'; expected a torchvision classification model such as "
-             f"resnet18, resnet50, vit_b_16 (all: {', '.join(ARCHS)})")
+        close = difflib.get_close_matches(args.arch, ARCHS, n=3, cutoff=0.5) or ["resnet18", "resnet50", "vit_b_16"]
+        fail(f"unknown --arch '{args.arch}'; expected a torchvision classification model such as {', '.join(close)} "
+             f"(all of them: torchvision.models.list_models(module=torchvision.models))")
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     if args.evaluate and not args.resume:
