@@ -37,10 +37,10 @@ from torchvision import transforms
 import gather_utils
 
 # On 2 CPU cores `bash launch.sh 4` must finish in minutes; on GPUs the same command is a
-# real-size ResNet-50 run. Only these defaults depend on the device. The CPU run has 48 steps
+# real-size ResNet-50 run. Only these defaults depend on the device. The CPU run has 96 steps
 # in all, too few to recover from the usual lr of 0.1.
 DEVICE_DEFAULTS = {
-    "cpu": dict(image_size=32, train_samples=2048, val_samples=500, batch_size=32, workers=0, lr=0.02),
+    "cpu": dict(image_size=32, train_samples=2048, val_samples=500, batch_size=16, workers=0, lr=0.02),
     "cuda": dict(image_size=224, train_samples=64000, val_samples=10000, batch_size=64, workers=6, lr=0.1),
 }
 ARCHS = torchvision.models.list_models(module=torchvision.models)
@@ -88,7 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
                    help="compress gradients before the all-reduce")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, help="per process (default 32 on CPU, 64 on GPU)")
+    p.add_argument("--batch-size", type=int, help="per process (default 16 on CPU, 64 on GPU)")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, help="peak learning rate (default 0.02 on CPU, 0.1 on GPU)")
     p.add_argument("--momentum", type=float, default=0.9)
