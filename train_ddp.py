@@ -395,17 +395,21 @@ def steps_per_epoch(train_set, args):
 
 
 # ---------------------------------------------------------------- 6. train and validate
-def catch_sigterm():
-    """SLURM and Kubernetes send SIGTERM before killing a job: note it, stop at the next step."""
-    requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: requested.set())
-    return requested
+class SigtermStop:
+    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; after
+    every optimizer step the ranks all-reduce the note, so one rank's SIGTERM stops all of them
+    at the same step. The note travels over gloo on the CPU: agreeing never waits for the GPU.
+    """
 
+    def __init__(self):
+        self.requested = threading.Event()
+        signal.signal(signal.SIGTERM, lambda signum, frame: self.requested.set())
+        self.group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
 
-def all_ranks_agree_to_stop(requested, device):
-    flag = torch.tensor([float(requested.is_set())], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one rank's SIGTERM stops them all at the same step
-    return bool(flag.item())
+    def agreed(self):
+        flag = torch.tensor([float(self.requested.is_set())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
 
 class Throughput:
@@ -475,7 +479,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, fi
             log(f"epoch {epoch + 1}/{args.epochs} step {done}/{steps} ({global_step}/{meter.total_steps}) "
                 f"loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.4g} "
                 f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step)}")
-        if all_ranks_agree_to_stop(stop, device):
+        if stop.agreed():
             return None, done, True
     if done == first_step:
         return None, done, False
@@ -586,7 +590,7 @@ def restore_training_state(checkpoint, optimizer, scheduler, scaler):
 
 # ---------------------------------------------------------------- the story
 def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps):
-    stop = catch_sigterm()
+    stop = SigtermStop()
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=False)
     meter = Throughput(args.batch_size * args.accum_steps * dist.get_world_size(), args.epochs * steps, device)
     for epoch in range(start_epoch, args.epochs):
