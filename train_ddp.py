@@ -313,6 +313,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
 
 
 def convert_to_cpu_sync_bn(module):
+    """Swap every BatchNorm2d for a CPUSyncBatchNorm with the same state (and state_dict keys)."""
     for name, child in module.named_children():
         if isinstance(child, nn.BatchNorm2d):
             sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum)
@@ -341,7 +342,7 @@ def wrap_ddp(model, args, device, warmup_steps):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         else:
             model = convert_to_cpu_sync_bn(model)
-    model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.comm_hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
