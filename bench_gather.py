@@ -9,6 +9,8 @@ each method's ratio to the floor:
     floor = one all_gather_single of equal chunks moving the same total bytes, scaled for uneven
             sizes by the most bytes any rank must receive (total - own) over what each rank
             receives when sizes are equal: no rank can finish before it has what it lacks.
+    floor, new output = the same into a newly allocated buffer each call, as any gather that
+            returns a new tensor must: on the CPU that allocation is part of the cost.
 """
 
 import argparse
@@ -75,13 +77,22 @@ def payloads(world, mib):
     }
 
 
-def floor_fn(counts):
-    """An equal-size all_gather_single of the same total, and the factor that scales it."""
+def floor_fns(counts):
+    """The floor: an equal-size all_gather_single of the same total into a buffer allocated once,
+    the same into a new buffer each call (as any gather that returns a new tensor must), and
+    the factor that scales both to uneven sizes."""
     world, total = len(counts), sum(counts)
     chunk = torch.empty(-(-total // world) * ROW)
     out = torch.empty(world * chunk.numel())
     scale = max(total - n for n in counts) / ((world - 1) * total / world) if world > 1 else 1.0
-    return (lambda _: dist.all_gather_single(out, chunk)), scale
+
+    def reused(_):
+        dist.all_gather_single(out, chunk)
+
+    def fresh(_):
+        dist.all_gather_single(torch.empty_like(out), chunk)
+
+    return reused, fresh, scale
 
 
 def time_round(fn, data):
@@ -96,9 +107,10 @@ def time_round(fn, data):
 def bench(counts, repeats):
     rank = dist.get_rank()
     data = torch.randn(counts[rank], ROW)
-    floor, scale = floor_fn(counts)
+    floor, floor_fresh, scale = floor_fns(counts)
     methods = {
         "floor": floor,
+        "floor, new output": floor_fresh,
         "all_gather_concat": gu.all_gather_concat,
         "all_gather_tensors": gu.all_gather_tensors,
         "torch all_gather_object": torch_all_gather_object,
@@ -117,6 +129,7 @@ def bench(counts, repeats):
                 times[name].append(t)
     medians = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     medians["floor"] *= scale
+    medians["floor, new output"] *= scale
     return medians
 
 
@@ -124,7 +137,7 @@ def bench_uneven_strategies(repeats):
     """The choice gather_utils makes on gloo for uneven sizes, across total sizes."""
     world, rank = dist.get_world_size(), dist.get_rank()
     results = []
-    for total_kib in (16, 64, 256, 1024, 4096, 16384):
+    for total_kib in (1, 4, 16, 64, 256, 1024, 4096, 16384):
         skew = [16] + [1] * (world - 1)
         sizes = [total_kib * 1024 * w // sum(skew) for w in skew]
         data = torch.randint(0, 255, (sizes[rank],), dtype=torch.uint8)

@@ -44,7 +44,7 @@ _MAX_NDIM = _HEADER_LEN - 4
 _UNEVEN_BACKENDS = ("nccl",)
 # On gloo, uneven payloads of at least this many bytes in all move as one broadcast per rank
 # rather than one padded all-gather (measured by bench_gather.py).
-_BROADCAST_MIN_BYTES = 1 << 20
+_BROADCAST_MIN_BYTES = 16 << 10
 
 
 def _initialized():
@@ -92,7 +92,7 @@ def all_gather_concat(tensor, group=None, async_op=False):
     must match on every rank. A 0-d tensor counts as shape (1,). The input is never modified.
 
     Collectives: a header all-gather, then the data: one all-gather when sizes are equal
-    (straight into the result) or on NCCL; on gloo, uneven sizes under 1 MiB in all pad once
+    (straight into the result) or on NCCL; on gloo, uneven sizes under 16 KiB in all pad once
     into one all-gather, and larger ones move as one broadcast per rank (no padding).
 
     With `async_op=True` it returns a `GatherHandle` once the data is in flight; its `wait()`
