@@ -5,8 +5,11 @@
 
 For each per-process batch size it runs every configuration in turn, each in fresh processes
 (torchrun for DDP), on synthetic data already in memory, and times each optimizer step after
-the warm-up steps. The table shows the median images/s per process and the scaling efficiency:
-DDP images/s per process / single-process images/s (1.00 means communication costs nothing).
+the warm-up steps; every configuration runs --repeats times, interleaved. The table shows the
+median images/s per process over those runs (each run's own in brackets) and the scaling
+efficiency: DDP images/s per process / single-process images/s (1.00 means communication costs
+nothing), and the same against independent processes, which leaves out what sharing the
+machine costs.
 """
 
 import argparse
@@ -24,15 +27,21 @@ import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# name -> worker flags. "single" runs one process without DDP; the rest run --nproc with DDP.
-TUNED = ["--bucket-cap-mb", "100", "--gradient-as-bucket-view", "--static-graph"]
+from train_ddp import one_bucket_at_a_time
+
+# name -> worker flags. "single" is one process without DDP. "independent" runs --nproc
+# processes without DDP (the "--nproc" marker is not passed on): what sharing the machine costs
+# with no communication at all. The rest run --nproc processes with DDP.
 CONFIGS = {
     "single": ["--no-ddp"],
+    "independent": ["--no-ddp", "--nproc"],
     "ddp default": [],
-    "ddp tuned": TUNED,
-    "ddp tuned + fp16 hook": TUNED + ["--hook", "fp16"],
-    "ddp tuned + bf16 hook": TUNED + ["--hook", "bf16"],
-    "ddp tuned + powersgd": TUNED + ["--hook", "powersgd"],
+    "ddp bucket 100 MB": ["--bucket-cap-mb", "100"],
+    "ddp gradient_as_bucket_view": ["--gradient-as-bucket-view"],
+    "ddp tuned": ["--bucket-cap-mb", "100", "--gradient-as-bucket-view", "--static-graph"],
+    "ddp + fp16 hook": ["--hook", "fp16"],
+    "ddp + bf16 hook": ["--hook", "bf16"],
+    "ddp + powersgd": ["--hook", "powersgd"],
 }
 
 
@@ -46,6 +55,7 @@ def parse_args():
     p.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64], help="per-process batch sizes")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off")
     p.add_argument("--channels-last", action="store_true")
@@ -118,7 +128,9 @@ def register_hook(model, hook):
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
         )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        # On gloo PowerSGD needs its buckets one at a time (train_ddp.py says why).
+        model.register_comm_hook(state, hook if dist.get_backend() == "nccl" else one_bucket_at_a_time(hook))
 
 
 def run(args, batch, flags):
@@ -128,7 +140,7 @@ def run(args, batch, flags):
         "--arch", args.arch, "--image-size", str(args.image_size), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--amp", args.amp,
     ] + ["--channels-last"] * args.channels_last + ["--compile"] * args.compile  # fmt: skip
-    if "--no-ddp" in flags:
+    if flags == ["--no-ddp"]:
         launcher = [sys.executable, __file__]
     else:
         launcher = [
@@ -140,6 +152,7 @@ def run(args, batch, flags):
             __file__,
         ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    flags = [f for f in flags if f != "--nproc"]
     proc = subprocess.run(launcher + common + flags, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         sys.exit(f"bench_train: {' '.join(flags) or 'ddp default'} failed:\n{proc.stderr[-3000:]}")
@@ -157,15 +170,19 @@ def main():
         f"{args.threads} thread(s) per process, DDP on {args.nproc} processes, "
         f"median of {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}"
     )
-    print("| batch per process | configuration | images/s per process | efficiency vs single |")
-    print("|---|---|---|---|")
+    print("| batch per process | configuration | images/s per process (runs) | vs single | vs independent |")
+    print("|---|---|---|---|---|")
     for batch in args.batches:
-        single = None
+        runs = {name: [] for name in args.configs}
+        for _ in range(args.repeats):  # interleaved, so that drift in machine speed hits every configuration
+            for name in args.configs:
+                runs[name].append(batch / run(args, batch, CONFIGS[name]))
+        speed = {name: statistics.median(r) for name, r in runs.items()}
         for name in args.configs:
-            ips = batch / run(args, batch, CONFIGS[name])
-            single = ips if name == "single" else single
-            efficiency = f"{ips / single:.2f}" if single and name != "single" else "-"
-            print(f"| {batch} | {name} | {ips:.1f} | {efficiency} |", flush=True)
+            ratios = [f"{speed[name] / speed[base]:.2f}" if base in speed and base != name else "-"
+                      for base in ("single", "independent")]  # fmt: skip
+            spread = ", ".join(f"{r:.1f}" for r in runs[name])
+            print(f"| {batch} | {name} | {speed[name]:.1f} ({spread}) | {' | '.join(ratios)} |", flush=True)
 
 
 if __name__ == "__main__":

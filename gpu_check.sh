@@ -20,7 +20,7 @@ echo "== train_ddp.py on NCCL, one short epoch"
 bash launch.sh 1 --epochs 1 --train-samples 12800 --val-samples 1000 --checkpoint-dir /tmp/gpu_check_ckpt
 
 echo "== ResNet50 training speed, 224 px, batch 256 per GPU"
-bench="python3 bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --configs single"
+bench="python3 bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1 --configs single"
 $bench --amp off
 $bench --amp bf16
 $bench --amp bf16 --channels-last
