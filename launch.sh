@@ -50,9 +50,13 @@ torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS
 torchrun_pid=$!
 # SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
 # exit 0, and torchrun with them. torchrun would forward it too, but then exit 1 with a traceback.
-trap 'pkill -TERM -P "$torchrun_pid"' TERM
+stopping=0
+trap 'stopping=1; pkill -TERM -P "$torchrun_pid"' TERM
 status=0
-while kill -0 "$torchrun_pid" 2>/dev/null; do
-    wait "$torchrun_pid" && status=0 || status=$?
+wait "$torchrun_pid" || status=$?
+# A trapped signal interrupts `wait` (status > 128) before torchrun is done: wait for its own status.
+while (( stopping && status > 128 )); do
+    stopping=0 status=0
+    wait "$torchrun_pid" || status=$?
 done
 exit "$status"

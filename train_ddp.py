@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ DEVICE_DEFAULTS = {
 }
 ARCHS = torchvision.models.list_models(module=torchvision.models)
 SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.75: learnable, but not in one step
+CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "world_size", "args", "rng"}
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
 
 
@@ -179,10 +180,13 @@ def load_checkpoint(args):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    if not isinstance(checkpoint, dict) or "model" not in checkpoint or "args" not in checkpoint:
-        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys model, optimizer, args, ...)")
+    if not isinstance(checkpoint, dict) or "arch" not in checkpoint.get("args", {}):
+        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected a dict with args.arch)")
     if checkpoint["args"]["arch"] != args.arch:
         fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
+    missing = CHECKPOINT_KEYS - set(checkpoint)
+    if missing:
+        fail(f"--resume {path}: not a complete train_ddp.py checkpoint (missing {', '.join(sorted(missing))})")
     return checkpoint
 
 
@@ -191,9 +195,14 @@ def setup_device(args):
     # Before any CUDA work: otherwise every rank creates its context and tensors on GPU 0.
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    torch.cuda.set_device(args.local_rank)
+    # Under SLURM with one GPU per task every task sees a single GPU, whatever its local rank.
+    index = 0 if torch.cuda.device_count() == 1 else args.local_rank
+    if index >= torch.cuda.device_count():
+        fail(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
+             "start at most one process per GPU")
+    torch.cuda.set_device(index)
     torch.backends.cudnn.benchmark = True  # fixed input sizes: time the conv kernels once, keep the fastest
-    return torch.device("cuda", args.local_rank)
+    return torch.device("cuda", index)
 
 
 # ---------------------------------------------------------------- 3. process group
@@ -214,9 +223,9 @@ def init_distributed(args, device):
         # No launcher: a one-process group on an in-memory store, so no port is needed.
         dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
         return
-    if "MASTER_ADDR" not in os.environ:
-        fail("WORLD_SIZE > 1 but MASTER_ADDR is not set; under srun export MASTER_ADDR and MASTER_PORT (README)")
-    address = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT')}"
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (README)")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         # The rendezvous store gets the short --init-timeout; the collectives keep the default
         # (30 min gloo, 10 min NCCL), so a rank that is merely slow never trips them.
@@ -281,11 +290,13 @@ def build_datasets(args):
             torchvision.datasets.ImageFolder(root / "val", val_tf, allow_empty=True))
 
 
-def make_loader(dataset, indices, args, device, drop_last):
+def make_loader(dataset, indices, args, device, drop_last, seed):
     # The sampler is a plain list of dataset indices: this rank's DistributedSampler shard,
-    # minus the steps already done when resuming mid-epoch.
+    # minus the steps already done when resuming mid-epoch. The loader's own generator seeds its
+    # workers, so building a loader never advances the global RNG that a resume restores.
     return DataLoader(dataset, batch_size=args.batch_size, sampler=indices, num_workers=args.workers,
-                      pin_memory=device.type == "cuda", drop_last=drop_last)
+                      pin_memory=device.type == "cuda", drop_last=drop_last,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 # ---------------------------------------------------------------- 5. model, DDP, hooks
@@ -372,7 +383,7 @@ def one_bucket_at_a_time(hook):
 def warmup_cosine(step, warmup_steps, total_steps):
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -414,7 +425,8 @@ class SigtermStop:
 
 
 class Throughput:
-    """Images/s of the whole job and the ETA, timed after the warm-up steps."""
+    """Images/s of the training steps, all ranks together, and the ETA: timed after the warm-up
+    steps, with validation and checkpoints left out."""
 
     def __init__(self, images_per_step, total_steps, device):
         self.images_per_step, self.total_steps, self.device = images_per_step, total_steps, device
@@ -437,6 +449,13 @@ class Throughput:
             return None
         return (self.steps - self.timed_from) * self.images_per_step / (self.now() - self.start)
 
+    @contextmanager
+    def paused(self):
+        begin = self.now()
+        yield
+        if self.start is not None:
+            self.start += self.now() - begin
+
     def eta(self, done):
         rate = self.images_per_sec()
         if rate is None:
@@ -453,7 +472,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, fi
     model.train()
     device = next(model.parameters()).device
     autocast = amp_context(args, device)
-    loss_sum, done = torch.zeros((), device=device), first_step
+    loss_sum, step_loss, done = torch.zeros((), device=device), torch.zeros((), device=device), first_step
     for i, (images, labels) in enumerate(loader):
         images = images.to(device, non_blocking=True, memory_format=memory_format(args))
         labels = labels.to(device, non_blocking=True)
@@ -463,7 +482,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, fi
             with autocast:
                 loss = F.cross_entropy(model(images), labels)
             scaler.scale(loss / args.accum_steps).backward()
-        loss_sum += loss.detach()
+        step_loss += loss.detach() / args.accum_steps
         if not last_micro_step:
             continue
         scaler.step(optimizer)
@@ -474,17 +493,19 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, fi
         meter.step()
         if done % args.log_every == 0 or done == steps:
             # Detached: reducing the live loss would put the collective into the autograd graph.
-            mean_loss = gather_utils.all_reduce_mean(loss.detach()).item()
+            mean_loss = gather_utils.all_reduce_mean(step_loss).item()
             global_step = epoch * steps + done
             rate = meter.images_per_sec()
             log(f"epoch {epoch + 1}/{args.epochs} step {done}/{steps} ({global_step}/{meter.total_steps}) "
                 f"loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.4g} "
                 f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step)}")
+        loss_sum += step_loss
+        step_loss.zero_()
         if stop.agreed():
             return None, done, True
     if done == first_step:
         return None, done, False
-    mean = gather_utils.all_reduce_mean(loss_sum / ((done - first_step) * args.accum_steps)).item()
+    mean = gather_utils.all_reduce_mean(loss_sum / (done - first_step)).item()
     return mean, done, False
 
 
@@ -500,7 +521,7 @@ def validate(model, val_set, args, device):
     autocast = amp_context(args, device)
     indices = list(DistributedSampler(val_set, shuffle=False))
     rows = []
-    for images, labels in make_loader(val_set, indices, args, device, drop_last=False):
+    for images, labels in make_loader(val_set, indices, args, device, drop_last=False, seed=args.seed):
         images = images.to(device, non_blocking=True, memory_format=memory_format(args))
         labels = labels.to(device, non_blocking=True)
         with autocast:
@@ -599,7 +620,8 @@ def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, s
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         per_step = args.batch_size * args.accum_steps
         indices = list(sampler)[start_step * per_step: steps * per_step]
-        loader = make_loader(train_set, indices, args, device, drop_last=True)
+        loader = make_loader(train_set, indices, args, device, drop_last=True,
+                             seed=args.seed + epoch * dist.get_world_size() + dist.get_rank())
         train_loss, done, stopped = train_one_epoch(model, loader, optimizer, scheduler, scaler, args,
                                                     epoch, start_step, steps, meter, stop)
         start_step = 0
@@ -608,10 +630,11 @@ def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, s
             log(f"stopped by SIGTERM at epoch {epoch + 1} step {done}/{steps}; "
                 f"continue with --resume {Path(args.checkpoint_dir) / 'last.pt'}")
             return
-        checksums = replica_checksums(model)
-        sync_buffers(model.module)
-        metrics = validate(model.module, val_set, args, device)
-        save_checkpoint(model, optimizer, scheduler, scaler, args, epoch + 1, 0)
+        with meter.paused():
+            checksums = replica_checksums(model)
+            sync_buffers(model.module)
+            metrics = validate(model.module, val_set, args, device)
+            save_checkpoint(model, optimizer, scheduler, scaler, args, epoch + 1, 0)
         rate = meter.images_per_sec()
         record = {"epoch": epoch + 1, "train_loss": train_loss, **metrics,
                   "images_per_sec": rate, "epoch_seconds": time.perf_counter() - epoch_start,
@@ -642,6 +665,7 @@ def main(argv=None):
         model = build_model(args)
         if checkpoint:
             model.load_state_dict(checkpoint["model"])
+        torch.manual_seed(args.seed + dist.get_rank())  # same initial weights, then one random stream per rank
         if args.evaluate:
             return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
         model = wrap_ddp(model, args, device, warmup_steps=round(args.warmup_epochs * steps))
