@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train_ddp import one_bucket_at_a_time
+from train_ddp import register_comm_hook
 
 # name -> worker flags. "single" is one process without DDP. "independent" runs --nproc
 # processes without DDP (the "--nproc" marker is not passed on): what sharing the machine costs
@@ -92,7 +91,7 @@ def worker(args):
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             static_graph=args.static_graph,
         )
-        register_hook(model, args.hook)
+        register_comm_hook(model, args.hook, warmup_steps=2)
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -117,20 +116,6 @@ def worker(args):
         print(json.dumps({"step_seconds": times[args.warmup :]}), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def register_hook(model, hook):
-    if hook == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
-        )
-        hook = powerSGD_hook.powerSGD_hook
-        # On gloo PowerSGD needs its buckets one at a time (train_ddp.py says why).
-        model.register_comm_hook(state, hook if dist.get_backend() == "nccl" else one_bucket_at_a_time(hook))
 
 
 def run(args, batch, flags):

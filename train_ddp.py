@@ -355,18 +355,23 @@ def wrap_ddp(model, args, device, warmup_steps):
             model = convert_to_cpu_sync_bn(model)
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.comm_hook == "fp16":
+    register_comm_hook(ddp, args.comm_hook, warmup_steps)
+    return ddp
+
+
+def register_comm_hook(ddp, name, warmup_steps):
+    """Replace DDP's plain all-reduce of gradients by the hook `name` (none, fp16, bf16, powersgd)."""
+    if name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif args.comm_hook == "bf16":
+    elif name == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif args.comm_hook == "powersgd":
+    elif name == "powersgd":
         # The state object lives as long as the model: it carries the error feedback and the
         # warm-started low-rank factors from step to step. Plain all-reduce during the lr warm-up.
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=max(2, warmup_steps))
         hook = powerSGD_hook.powerSGD_hook
-        ddp.register_comm_hook(state, hook if args.backend == "nccl" else one_bucket_at_a_time(hook))
-    return ddp
+        ddp.register_comm_hook(state, hook if dist.get_backend() == "nccl" else one_bucket_at_a_time(hook))
 
 
 def one_bucket_at_a_time(hook):
