@@ -8,7 +8,9 @@ Every public function
 - starts with one all-gather of a small fixed-size header per rank (error flag, dtype, shape).
   That header is also the size exchange. If any rank's input is bad, or the ranks disagree,
   every rank raises before any data moves, so the collectives stay aligned and the same
-  group keeps working afterwards.
+  group keeps working afterwards;
+- sends data of up to 8 KiB per rank inside that header, so small payloads take one
+  collective in all (past 8 ranks the room per rank shrinks, to stay at 64 KiB in all).
 
 Tensors move as raw bytes, so every dtype works (bool, complex, 8/16-bit floats, ...).
 """
@@ -37,9 +39,15 @@ __all__ = [
 
 # Every rank runs the same torch, so a dtype's position in this tuple identifies it.
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
-# Header layout, one int64 row per rank: [error flag, dtype code, ndim, extra, *shape, 0-padding].
+# Header layout, one row per rank: _HEADER_LEN int64 [error flag, dtype code, ndim, extra, *shape,
+# 0-padding], then room for the rank's data when it is small (see _header_room).
 _HEADER_LEN = 16
+_HEADER_BYTES = _HEADER_LEN * 8
 _MAX_NDIM = _HEADER_LEN - 4
+# An all-gather of 8 KiB per rank costs about what one of 128 bytes costs (bench_gather.py),
+# so that much data rides in the header; past 8 ranks the room shrinks to 64 KiB in all.
+_HEADER_ROOM_BYTES = 8 << 10
+_HEADER_MAX_ROOM_TOTAL = 64 << 10
 # Backends whose list-form all_gather accepts different sizes per rank (gloo raises).
 _UNEVEN_BACKENDS = ("nccl",)
 # On gloo, uneven payloads of at least this many bytes in all move as one broadcast per rank
@@ -91,9 +99,10 @@ def all_gather_concat(tensor, group=None, async_op=False):
     on the input's device. Dim-0 sizes may differ (0 included); the other sizes and the dtype
     must match on every rank. A 0-d tensor counts as shape (1,). The input is never modified.
 
-    Collectives: a header all-gather, then the data: one all-gather when sizes are equal
-    (straight into the result) or on NCCL; on gloo, uneven sizes under 16 KiB in all pad once
-    into one all-gather, and larger ones move as one broadcast per rank (no padding).
+    Collectives: a header all-gather, which also carries the data when every rank has at most
+    8 KiB (then that is all). Else the data: one all-gather when sizes are equal (straight into
+    the result) or on NCCL; on gloo, uneven sizes under 16 KiB in all pad once into one
+    all-gather, and larger ones move as one broadcast per rank (no padding).
 
     With `async_op=True` it returns a `GatherHandle` once the data is in flight; its `wait()`
     returns the result, so you can overlap compute with the transfer. Leave the input
@@ -107,7 +116,7 @@ def all_gather_concat(tensor, group=None, async_op=False):
     if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
         tensor = tensor.reshape(1)
     payload, error = _local_payload(name, tensor, device)
-    rows = _exchange_headers(name, tensor, error, group, device)
+    rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
     shapes = _shapes(rows)
     if len({(row[1], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
         raise ValueError(
@@ -120,6 +129,7 @@ def all_gather_concat(tensor, group=None, async_op=False):
         payload,
         [n * row_bytes for n in counts],
         group,
+        inline,
         then=lambda packed: packed.view(tensor.dtype).view(sum(counts), *row_shape).to(tensor.device),
     )
     return handle if async_op else handle.wait()
@@ -140,12 +150,12 @@ def all_gather_tensors(tensor, group=None):
     name = "all_gather_tensors"
     device = _setup(name, group, tensor)
     payload, error = _local_payload(name, tensor, device)
-    rows = _exchange_headers(name, tensor, error, group, device)
+    rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
     if len({row[1] for row in rows}) > 1:
         raise ValueError(f"{name}: every rank needs the same dtype; got {_describe(rows)}")
     shapes = _shapes(rows)
     sizes = [math.prod(shape) * tensor.element_size() for shape in shapes]
-    chunks = _gather_bytes(payload, sizes, group).wait().to(tensor.device).split(sizes)
+    chunks = _gather_bytes(payload, sizes, group, inline).wait().to(tensor.device).split(sizes)
     return [chunk.view(tensor.dtype).view(shape) for chunk, shape in zip(chunks, shapes)]
 
 
@@ -171,9 +181,9 @@ def all_gather_object(obj, group=None):
     except Exception as exc:  # pickling raises many types: PicklingError, TypeError, AttributeError
         error = TypeError(f"{name}: could not pickle {type(obj).__name__}: {exc}")
     cpu_group, cpu = _gloo_group(group), torch.device("cpu")
-    rows = _exchange_headers(name, payload, error, cpu_group, cpu)
+    rows, inline = _exchange_headers(name, payload, error, cpu_group, cpu, payload=payload)
     sizes = [shape[0] for shape in _shapes(rows)]
-    chunks = _gather_bytes(payload, sizes, cpu_group).wait().split(sizes)
+    chunks = _gather_bytes(payload, sizes, cpu_group, inline).wait().split(sizes)
     return [pickle.loads(chunk.numpy().tobytes()) for chunk in chunks]
 
 
@@ -186,8 +196,9 @@ def all_reduce_mean(value, group=None):
     - A dict of str -> number or 0-d tensor: every rank gets a dict of Python floats with the
       same keys, summed in float64 so counts and sums stay exact. Key order may differ by rank.
 
-    Collectives: 2, a header all-gather and the all-reduce (2 more, through
-    `all_gather_object`, only to report key sets that differ).
+    Collectives: 1 when the values fit in the header (8 KiB per rank): every rank then sums
+    the gathered values itself, in rank order; else 2, the header all-gather and an all-reduce
+    (2 more, through `all_gather_object`, only to report key sets that differ).
 
     Raises on every rank: ValueError when shapes or dtypes (tensor), key sets (dict), or the kind
     of input differ between ranks; TypeError on a rank that passed anything else (ValueError
@@ -201,7 +212,8 @@ def all_reduce_mean(value, group=None):
     else:
         keys, (total, error) = None, _accumulator(name, value, device)
         spec, kind = value, -1
-    rows = _exchange_headers(name, spec, error, group, device, extra=kind)
+    payload = None if error else _as_bytes(total, device)
+    rows, inline = _exchange_headers(name, spec, error, group, device, extra=kind, payload=payload)
     if len({row[3] < 0 for row in rows}) > 1:
         kinds = "; ".join(f"rank {r}: {'a tensor' if row[3] < 0 else 'a dict'}" for r, row in enumerate(rows))
         raise ValueError(f"{name}: every rank needs the same kind of input; got {kinds}")
@@ -211,7 +223,9 @@ def all_reduce_mean(value, group=None):
         raise ValueError(f"{name}: every rank needs the same keys; got {listing}")
     if keys is None and len({(row[1], *_shape(row)) for row in rows}) > 1:
         raise ValueError(f"{name}: every rank needs the same shape and dtype; got {_describe(rows)}")
-    if _initialized() and total.numel():
+    if _initialized() and payload.numel() <= inline.shape[1]:
+        total = inline[:, : payload.numel()].contiguous().view(total.dtype).sum(0).view(total.shape)
+    elif _initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     total /= get_world_size(group)
     if keys is None:
@@ -242,7 +256,7 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     name = "gather_for_metrics"
     device = _setup(name, group, results)
     payload, error = _metrics_payload(name, results, indices, num_samples, device)
-    rows = _exchange_headers(name, results, error, group, device, extra=num_samples)
+    rows, inline = _exchange_headers(name, results, error, group, device, extra=num_samples, payload=payload)
     shapes = _shapes(rows)
     if len({(row[1], row[3], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
         numbers = ", ".join(str(row[3]) for row in rows)
@@ -254,7 +268,7 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     counts = [shape[0] for shape in shapes]
     row_bytes = math.prod(row_shape) * results.element_size()
     sizes = [n * (row_bytes + 8) for n in counts]
-    chunks = _gather_bytes(payload, sizes, group).wait().split(sizes)
+    chunks = _gather_bytes(payload, sizes, group, inline).wait().split(sizes)
     # cat() copies into fresh memory, aligned for the int64 view.
     all_indices = torch.cat([chunk[n * row_bytes :] for chunk, n in zip(chunks, counts)]).view(torch.int64)
     all_rows = torch.cat([chunk[: n * row_bytes] for chunk, n in zip(chunks, counts)]).view(
@@ -327,24 +341,36 @@ def _as_bytes(tensor, device):
     return dense.to(device).contiguous().view(-1).view(torch.uint8)
 
 
-def _exchange_headers(name, spec, error, group, device, extra=0):
+def _header_room(world):
+    """Bytes of data each rank's header row carries: the same on every rank of a group."""
+    # A multiple of 16 keeps every row, and the int64 header at its start, aligned.
+    return min(_HEADER_ROOM_BYTES, _HEADER_MAX_ROOM_TOTAL // world) // 16 * 16
+
+
+def _exchange_headers(name, spec, error, group, device, extra=0, payload=None):
     """All-gather one header row per rank, made from `spec`'s dtype and shape (one collective).
 
-    Returns the rows as lists. Raises on every rank, before any data moves, if any rank's
+    `payload` (flat uint8 on `device`) rides along when it fits in the header's room.
+    Returns (rows as lists, inline): inline[r] holds rank r's payload if it fitted (None
+    without a process group). Raises on every rank, before any data moves, if any rank's
     input was bad (`error` on this rank).
     """
     header = [1] + [0] * (_HEADER_LEN - 1)
     if error is None:
         header = [0, _DTYPES.index(spec.dtype), spec.dim(), extra, *spec.shape]
         header += [0] * (_HEADER_LEN - len(header))
+    rows, inline = [header], None
     if _initialized():
         world = get_world_size(group)
-        local = torch.tensor(header, dtype=torch.int64, device=device)
-        gathered = torch.empty(world * _HEADER_LEN, dtype=torch.int64, device=device)
-        _all_gather_equal(gathered, local, group).wait()
-        rows = gathered.view(world, _HEADER_LEN).tolist()
-    else:
-        rows = [header]
+        room = _header_room(world)
+        local = torch.zeros(_HEADER_BYTES + room, dtype=torch.uint8, device=device)
+        local[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+        if payload is not None and payload.numel() <= room:
+            local[_HEADER_BYTES : _HEADER_BYTES + payload.numel()] = payload
+        gathered = torch.empty(world, local.numel(), dtype=torch.uint8, device=device)
+        _all_gather_equal(gathered.view(-1), local, group).wait()
+        rows = gathered[:, :_HEADER_BYTES].view(torch.int64).tolist()
+        inline = gathered[:, _HEADER_BYTES:]
     if error is not None:
         raise error
     bad = [rank for rank, row in enumerate(rows) if row[0]]
@@ -353,7 +379,7 @@ def _exchange_headers(name, spec, error, group, device, extra=0):
             f"{name}: rank {', '.join(map(str, bad))} passed invalid input (its own error says why); "
             "no data was exchanged"
         )
-    return rows
+    return rows, inline
 
 
 def _shape(row):
@@ -380,16 +406,20 @@ def _all_gather_equal(out, inp, group):
     return dist.all_gather(list(out.split(inp.numel())), inp, group=group, async_op=True)
 
 
-def _gather_bytes(local, sizes, group, then=lambda packed: packed):
+def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
     """Start gathering every rank's flat uint8 data, `sizes[r]` bytes from rank r.
 
-    Returns a GatherHandle whose `wait()` gives `then(packed)`, where `packed` holds all ranks'
-    bytes concatenated in rank order.
+    `inline` is what `_exchange_headers` returned with `local` as its payload. Returns a
+    GatherHandle whose `wait()` gives `then(packed)`, where `packed` holds all ranks' bytes
+    concatenated in rank order.
     """
     if not _initialized():
         return GatherHandle([], lambda: then(local.clone()))
     world, largest = len(sizes), max(sizes)
     out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
+    if largest <= inline.shape[1]:  # every rank's data came with the header
+        torch.cat([inline[r, :n] for r, n in enumerate(sizes)], out=out)
+        return GatherHandle([], lambda: then(out))
     if largest == min(sizes):
         works = [_all_gather_equal(out, local, group)]
     elif dist.get_backend(group) in _UNEVEN_BACKENDS:

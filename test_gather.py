@@ -352,6 +352,51 @@ def check_bad_input_gather_for_metrics(device, group=None):
     check_group_still_works(device, group)
 
 
+def collectives_run(group, fn, *args, counted=None):
+    """(fn(*args, group=group), how many collectives it ran on `counted` (default: `group`)).
+
+    The count is torch's own per-group sequence number, which every collective advances.
+    """
+    counted = counted or group or dist.group.WORLD
+    before = counted._get_sequence_number_for_group()
+    result = fn(*args, group=group)
+    return result, counted._get_sequence_number_for_group() - before
+
+
+def check_small_payloads_ride_in_the_header(device, group=None):
+    """Up to 8 KiB per rank comes with the header: one collective. One byte more on one rank: two."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    room = 8 << 10
+
+    def floats(n, r):
+        return torch.full((n,), float(r), device=device)
+
+    out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4, rank))
+    assert n == 1 and torch.equal(out, torch.cat([floats(room // 4, r) for r in range(world)]))
+    out, n = collectives_run(group, gu.all_gather_tensors, floats(room // 4 - rank, rank))
+    assert n == 1 and all(torch.equal(t, floats(room // 4 - r, r)) for r, t in enumerate(out))
+    out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4 + 1, rank))
+    assert n == 2 and torch.equal(out, torch.cat([floats(room // 4 + 1, r) for r in range(world)]))
+    # Only the last rank's data is too big: every rank must leave the header path together.
+    sizes = [room // 4] * (world - 1) + [room // 4 + 1]
+    out = gu.all_gather_concat(floats(sizes[rank], rank), group)
+    assert torch.equal(out, torch.cat([floats(k, r) for r, k in enumerate(sizes)]))
+
+    mean = sum(range(world)) / world
+    out, n = collectives_run(group, gu.all_reduce_mean, floats(room // 4, rank))
+    assert n == 1 and torch.equal(out, floats(room // 4, mean))
+    out, n = collectives_run(group, gu.all_reduce_mean, floats(room // 4 + 1, rank))
+    assert n == 2 and torch.equal(out, floats(room // 4 + 1, mean))
+    out, n = collectives_run(group, gu.all_reduce_mean, {"loss": rank, "count": 1})
+    assert n == 1 and out == {"loss": mean, "count": 1.0}
+    indices = torch.arange(rank, 10 * world, world)
+    out, n = collectives_run(group, gu.gather_for_metrics, indices.float().to(device), indices, 10 * world)
+    assert n == 1 and torch.equal(out, torch.arange(10 * world, device=device).float())
+    # On NCCL, all_gather_object runs on a gloo group of its own.
+    out, n = collectives_run(group, gu.all_gather_object, {"rank": rank}, counted=gu._gloo_group(group))
+    assert n == 1 and out == [{"rank": r} for r in range(world)]
+
+
 def check_subgroup(device, group=None):
     """Ranks 1..world-1 form a subgroup (rank 0 alone in a world of one); every check runs on it."""
     world = dist.get_world_size()
@@ -400,8 +445,8 @@ MULTI_RANK_CHECKS = [
     check_bad_input_dict_keys_differ,
     check_bad_input_gather_for_metrics,
 ]
-# Needs an initialized process group to make a subgroup from.
-DISTRIBUTED_CHECKS = [check_subgroup, check_default_group]
+# These need an initialized process group.
+DISTRIBUTED_CHECKS = [check_subgroup, check_default_group, check_small_payloads_ride_in_the_header]
 
 
 # ---------------------------------------------------------------------------------------------
