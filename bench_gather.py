@@ -11,6 +11,10 @@ each method's ratio to the floor:
             receives when sizes are equal: no rank can finish before it has what it lacks.
     floor, new output = the same into a newly allocated buffer each call, as any gather that
             returns a new tensor must: on the CPU that allocation is part of the cost.
+
+Then three tables behind gather_utils' choices: the seed article's speed tips, what an
+all-gather costs by size (how much data rides in the header), and padding against one
+broadcast per rank for uneven sizes on gloo.
 """
 
 import argparse
@@ -152,6 +156,21 @@ def bench_uneven_strategies(repeats):
     return results
 
 
+def bench_header_room(repeats):
+    """What an all-gather costs by bytes per rank: how much data can ride in gather_utils' header."""
+    world = dist.get_world_size()
+    results = []
+    for size in (128, 1 << 10, 4 << 10, 8 << 10, 16 << 10, 64 << 10):
+        data, out = torch.zeros(size, dtype=torch.uint8), torch.empty(world * size, dtype=torch.uint8)
+        times = []
+        for round_ in range(repeats + 3):
+            t = time_round(lambda d: dist.all_gather_single(out, d), data)
+            if round_ >= 3:
+                times.append(t)
+        results.append((size, statistics.median(times) * 1e3))
+    return results
+
+
 def bench_seed_tips(counts, repeats):
     """Two of the seed article's speed tips, on equal payloads: batched collective, async overlap."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -220,6 +239,12 @@ def main():
         print("|---|---|")
         for name, ms in tips.items():
             print(f"| {name} | {ms:.2f} |")
+    room = bench_header_room(args.repeats)
+    if dist.get_rank() == 0:
+        print(f"\ngloo, {world} ranks, all_gather_single by bytes per rank: median ms, x the 128-byte time")
+        print("| bytes per rank | " + " | ".join(str(size) for size, _ in room) + " |")
+        print("|---|" + "---|" * len(room))
+        print("| ms | " + " | ".join(f"{ms:.2f} ({ms / room[0][1]:.2f}x)" for _, ms in room) + " |")
     strategies = bench_uneven_strategies(args.repeats)
     if dist.get_rank() == 0:
         print(f"\ngloo, {world} ranks, skewed sizes (one rank 16x the others): median ms, padded / broadcast")

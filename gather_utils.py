@@ -50,9 +50,6 @@ _HEADER_ROOM_BYTES = 8 << 10
 _HEADER_MAX_ROOM_TOTAL = 64 << 10
 # Backends whose list-form all_gather accepts different sizes per rank (gloo raises).
 _UNEVEN_BACKENDS = ("nccl",)
-# On gloo, uneven payloads of at least this many bytes in all move as one broadcast per rank
-# rather than one padded all-gather (measured by bench_gather.py).
-_BROADCAST_MIN_BYTES = 16 << 10
 
 
 def _initialized():
@@ -100,9 +97,8 @@ def all_gather_concat(tensor, group=None, async_op=False):
     must match on every rank. A 0-d tensor counts as shape (1,). The input is never modified.
 
     Collectives: a header all-gather, which also carries the data when every rank has at most
-    8 KiB (then that is all). Else the data: one all-gather when sizes are equal (straight into
-    the result) or on NCCL; on gloo, uneven sizes under 16 KiB in all pad once into one
-    all-gather, and larger ones move as one broadcast per rank (no padding).
+    8 KiB (then that is all). Else the data, straight into the result: one all-gather when
+    sizes are equal or on NCCL; on gloo, uneven sizes move as one broadcast per rank.
 
     With `async_op=True` it returns a `GatherHandle` once the data is in flight; its `wait()`
     returns the result, so you can overlap compute with the transfer. Leave the input
@@ -415,7 +411,7 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
     """
     if not _initialized():
         return GatherHandle([], lambda: then(local.clone()))
-    world, largest = len(sizes), max(sizes)
+    largest = max(sizes)
     out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
     if largest <= inline.shape[1]:  # every rank's data came with the header
         torch.cat([inline[r, :n] for r, n in enumerate(sizes)], out=out)
@@ -424,9 +420,10 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
         works = [_all_gather_equal(out, local, group)]
     elif dist.get_backend(group) in _UNEVEN_BACKENDS:
         works = [dist.all_gather(list(out.split(sizes)), local, group=group, async_op=True)]
-    elif sum(sizes) >= _BROADCAST_MIN_BYTES:
-        # gloo: padding would move world * largest bytes; one broadcast per rank moves each
-        # rank's bytes once, and pays for it in per-collective latency (see bench_gather.py).
+    else:
+        # gloo: padding to one all-gather would move world * largest bytes; one broadcast per
+        # rank moves each rank's bytes once, all in flight at once. On 2 and 4 ranks that is
+        # within noise of padding or faster at every size (bench_gather.py).
         parts = out.split(sizes)
         parts[dist.get_rank(group)].copy_(local)
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -435,15 +432,6 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
             for r, part in enumerate(parts)
             if part.numel()
         ]
-    else:
-        # gloo, small: pad once, in place in this rank's slot of the gather buffer.
-        rank = dist.get_rank(group)
-        padded = torch.empty(world * largest, dtype=torch.uint8, device=local.device)
-        mine = padded[rank * largest : (rank + 1) * largest]
-        mine[: sizes[rank]] = local
-        works = [_all_gather_equal(padded, mine, group)]
-        trimmed = [padded[r * largest : r * largest + n] for r, n in enumerate(sizes)]
-        return GatherHandle(works, lambda: then(torch.cat(trimmed, out=out)))
     return GatherHandle(works, lambda: then(out))
 
 

@@ -59,7 +59,7 @@ def check_all_gather_concat_uneven(device, group=None):
 
 
 def check_all_gather_concat_uneven_large(device, group=None):
-    """Over 16 KiB in all: on gloo this takes the one-broadcast-per-rank path."""
+    """Uneven and over the header's room: on gloo this takes the one-broadcast-per-rank path."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     out = gu.all_gather_concat(rows_for(rank, device, width=100_000), group)
     assert torch.equal(out, expected_concat(world, device, width=100_000))
