@@ -138,7 +138,8 @@ def bench(counts, repeats):
 
 
 def bench_uneven_strategies(repeats):
-    """The choice gather_utils makes on gloo for uneven sizes, across total sizes."""
+    """Padding to one all-gather against one broadcast per rank, for uneven sizes on gloo: the
+    measurement behind gather_utils always broadcasting them."""
     world, rank = dist.get_world_size(), dist.get_rank()
     results = []
     for total_kib in (1, 4, 16, 64, 256, 1024, 4096, 16384):

@@ -192,9 +192,10 @@ def all_reduce_mean(value, group=None):
     - A dict of str -> number or 0-d tensor: every rank gets a dict of Python floats with the
       same keys, summed in float64 so counts and sums stay exact. Key order may differ by rank.
 
-    Collectives: 1 when the values fit in the header (8 KiB per rank): every rank then sums
-    the gathered values itself, in rank order; else 2, the header all-gather and an all-reduce
-    (2 more, through `all_gather_object`, only to report key sets that differ).
+    Collectives: 1 when the values, in the dtype they are summed in, fit in the header (8 KiB
+    per rank): every rank then sums the gathered values itself, in rank order; else 2, the
+    header all-gather and an all-reduce (plus `all_gather_object`'s, only to report key sets
+    that differ).
 
     Raises on every rank: ValueError when shapes or dtypes (tensor), key sets (dict), or the kind
     of input differ between ranks; TypeError on a rank that passed anything else (ValueError
@@ -208,7 +209,7 @@ def all_reduce_mean(value, group=None):
     else:
         keys, (total, error) = None, _accumulator(name, value, device)
         spec, kind = value, -1
-    payload = None if error else _as_bytes(total, device)
+    payload = _as_bytes(total, device) if error is None else None
     rows, inline = _exchange_headers(name, spec, error, group, device, extra=kind, payload=payload)
     if len({row[3] < 0 for row in rows}) > 1:
         kinds = "; ".join(f"rank {r}: {'a tensor' if row[3] < 0 else 'a dict'}" for r, row in enumerate(rows))
@@ -468,6 +469,10 @@ def _accumulator(name, value, device):
     """(a float copy of `value` on `device` to sum into, None), or (None, the error it deserves)."""
     if not isinstance(value, torch.Tensor):
         return None, TypeError(f"{name}: expected a torch.Tensor or a dict, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        return None, TypeError(f"{name}: expected a dense tensor, got layout {value.layout}")
+    if value.dim() > _MAX_NDIM:
+        return None, ValueError(f"{name}: at most {_MAX_NDIM} dims are supported, got {value.dim()}")
     if value.is_floating_point() or value.is_complex():
         dtype = torch.float32 if value.element_size() < 4 and value.is_floating_point() else value.dtype
     else:
