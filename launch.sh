@@ -7,6 +7,8 @@
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT  run on NNODES machines; start this on each, NODE_RANK 0..NNODES-1
 #   INIT_TIMEOUT   seconds the nodes wait for each other (default 60)
 #   MAX_RESTARTS   restart failed workers this often; train_ddp.py then resumes from its last.pt (default 0)
+#   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); a restart resumes
+#                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
 #   OMP_NUM_THREADS  default: CPU cores / N, at least 1
 # train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
 set -euo pipefail
@@ -41,7 +43,8 @@ python3 "$here/train_ddp.py" --dry-run "$@"
 if [[ -n ${NNODES:-} ]]; then
     : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
     rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
-                --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}")
+                --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}"
+                --rdzv-id "${RUN_ID:-${SLURM_JOB_ID:-none}}")
 else
     # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
     rendezvous=(--standalone)

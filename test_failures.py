@@ -148,6 +148,20 @@ def test_max_restarts_resumes_by_itself(tmp_path, uninterrupted):
     assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
 
 
+def test_restart_ignores_a_last_pt_from_an_earlier_job(tmp_path, uninterrupted):
+    # An earlier job left last.pt in the same --checkpoint-dir; this job's rank dies before its first save.
+    ok(run(torchrun(2, *FAST, "--epochs", "1", "--checkpoint-dir", tmp_path)))
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], subdir(tmp_path / "log"),
+                       env=clean_env(MAX_RESTARTS=1))
+    wait_for(lambda: "epoch 1/2 step 4/16" in stdout(job), job, "step 4 of epoch 1", interval=0.01)
+    os.kill(worker(job, 1), signal.SIGKILL)
+    wait_exit(job, RUN_TIMEOUT)
+    assert job.returncode == 0, stderr(job)[-3000:]
+    assert "resumed from" not in stdout(job)  # the restart started afresh, as the job itself had
+    assert f"restart: ignoring {tmp_path / 'last.pt'}, written by another job" in stderr(job)
+    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
+
+
 # ---------------------------------------------------------------- 3. SIGTERM
 def sigterm_mid_epoch(tmp_path, target):
     job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
@@ -168,6 +182,21 @@ def test_sigterm_to_launcher_saves_mid_epoch_and_resumes_exactly(tmp_path, unint
 
 def test_sigterm_to_one_rank_stops_all_ranks_and_resumes_exactly(tmp_path, uninterrupted):
     sigterm_mid_epoch(tmp_path, "rank 1")
+    resume_and_compare(tmp_path, uninterrupted)
+
+
+def test_sigterm_during_validation_stops_when_it_ends(tmp_path, uninterrupted):
+    # The checkpoint is written just before validation, and 2000 val images take seconds on
+    # 2 cores: the signal arrives while the ranks validate.
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--val-samples", "2000", "--checkpoint-dir", str(tmp_path)],
+                       tmp_path)
+    wait_for(lambda: (tmp_path / "last.pt").exists(), job, "the epoch-1 checkpoint", interval=0.01)
+    os.kill(job.pid, signal.SIGTERM)
+    wait_exit(job, 60)
+    assert job.returncode == 0, stderr(job)[-3000:]
+    assert "val_acc1" in stdout(job) and "stopped by SIGTERM after epoch 1; continue with --resume" in stdout(job)
+    checkpoint = load(tmp_path / "last.pt")
+    assert (checkpoint["epoch"], checkpoint["step"]) == (1, 0)
     resume_and_compare(tmp_path, uninterrupted)
 
 
@@ -277,3 +306,23 @@ def test_rank_late_at_evaluation_does_not_time_out(tmp_path):
     wait_exit(job, RUN_TIMEOUT)
     assert job.returncode == 0, stderr(job)[-3000:]
     assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 50
+
+
+# ---------------------------------------------------------------- 8. nodes that disagree on where to resume
+def test_nodes_resuming_from_different_checkpoints_all_stop(tmp_path):
+    # Node 0 has a checkpoint, node 1 (its own local disk) has none: both must stop at once.
+    args = ["--arch", "resnet18", "--train-samples", "32", "--val-samples", "4", "--batch-size", "8"]
+    ok(run(torchrun(1, *args, "--epochs", "1", "--checkpoint-dir", tmp_path / "node0")))
+    port = free_port()
+    nodes = [start_logged(["bash", LAUNCH, "1", *args, "--epochs", "2", "--checkpoint-dir", str(tmp_path / f"node{r}"),
+                           *(["--resume", str(tmp_path / "node0" / "last.pt")] if r == 0 else [])],
+                          subdir(tmp_path / f"log{r}"),
+                          env=clean_env(NNODES=2, NODE_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    for node in nodes:
+        wait_exit(node, 60)
+    assert all(node.returncode != 0 for node in nodes)
+    errors = stderr(nodes[0]) + stderr(nodes[1])
+    assert errors.count("train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: epoch 1 "
+                        "step 0, weights ") == 1, errors[-3000:]
+    assert "; rank 1: a fresh start); give every node the same --resume file" in errors

@@ -145,6 +145,23 @@ def test_torchrun_launch(tmp_path):
     assert load(tmp_path / "last.pt")["epoch"] == 1
 
 
+def test_image_folder_data(tmp_path):
+    # Real files through the real path: ImageFolder, the crop and flip transforms, classes from folders.
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split, per_class in [("train", 16), ("val", 5)]:
+        for label, name in enumerate(["dark", "light"]):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            for i in range(per_class):
+                pixels = torch.randint(0, 128, (40, 48, 3), generator=generator, dtype=torch.uint8) + 127 * label
+                Image.fromarray(pixels.numpy()).save(tmp_path / "data" / split / name / f"{i}.png")
+    ok(run(torchrun(2, "--data", tmp_path / "data", "--arch", "resnet18", "--image-size", "32", "--batch-size", "4",
+                    "--epochs", "1", "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl")))
+    assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 10
+    assert load(tmp_path / "last.pt")["model"]["fc.weight"].shape[0] == 2  # one output per class folder
+
+
 def test_metrics_file_has_every_field(reference):
     out, _ = reference
     for record in metrics(out / "m.jsonl"):

@@ -12,6 +12,7 @@ import argparse
 import datetime
 import difflib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -162,16 +163,24 @@ def check_image_folder(root):
 
 
 def resume_path(args):
-    """--resume, except after a torchrun restart (MAX_RESTARTS), when the newest last.pt wins."""
+    """--resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt, once it has one."""
     last = Path(args.checkpoint_dir) / "last.pt"
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and last.exists():
-        return last
+        # A last.pt left in the same directory by an earlier job must not pass for this job's.
+        try:
+            run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("run_id")
+        except Exception:  # unreadable: not this job's, which writes atomically
+            run_id = None
+        if run_id == os.environ.get("TORCHELASTIC_RUN_ID"):
+            return last
+        if env_rank() == 0:
+            print(f"train_ddp.py: restart: ignoring {last}, written by another job (run id {run_id})",
+                  file=sys.stderr, flush=True)
     return Path(args.resume) if args.resume else None
 
 
-def load_checkpoint(args):
+def load_checkpoint(path, args):
     """Read the checkpoint to resume from before the process group forms, so a bad file fails fast."""
-    path = resume_path(args)
     if path is None:
         return None
     if not path.is_file():
@@ -242,6 +251,30 @@ def init_distributed(args, device):
               f"{args.init_timeout:g} s: expected WORLD_SIZE={world_size} ranks at {address} ({reason})",
               file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def check_same_start(checkpoint):
+    """Every rank must resume from the same checkpoint, or all start afresh.
+
+    Each node reads its own --resume file (or its own last.pt after a restart), and with
+    node-local disks those can differ: ranks that disagree on the epoch and step would run
+    different numbers of collectives and hang at the end, so stop them all now.
+    """
+    start = None
+    if checkpoint is not None:
+        weights = hashlib.blake2b(digest_size=6)
+        for tensor in checkpoint["model"].values():
+            weights.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        start = (checkpoint["epoch"], checkpoint["step"], weights.hexdigest())
+    ranks_by_start = {}
+    for rank, other in enumerate(gather_utils.all_gather_object(start)):
+        ranks_by_start.setdefault(other, []).append(str(rank))
+    if len(ranks_by_start) > 1:
+        where = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: "
+                          + ("a fresh start" if s is None else f"epoch {s[0]} step {s[1]}, weights {s[2]}")
+                          for s, ranks in ranks_by_start.items())
+        fail(f"the ranks would resume from different checkpoints ({where}); give every node the same --resume "
+             "file, and a --checkpoint-dir they all see (a shared filesystem)")
 
 
 def is_main():
@@ -414,8 +447,9 @@ def steps_per_epoch(train_set, args):
 # ---------------------------------------------------------------- 6. train and validate
 class SigtermStop:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; after
-    every optimizer step the ranks all-reduce the note, so one rank's SIGTERM stops all of them
-    at the same step. The note travels over gloo on the CPU: agreeing never waits for the GPU.
+    every optimizer step, and after each validation but the last, the ranks all-reduce the note,
+    so one rank's SIGTERM stops all of them at the same point. The note travels over gloo on the
+    CPU: agreeing never waits for the GPU.
     """
 
     def __init__(self):
@@ -584,7 +618,7 @@ def save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, step):
         state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                  "epoch": epoch, "step": step, "world_size": dist.get_world_size(),
-                 "args": vars(args), "rng": rng}
+                 "args": vars(args), "rng": rng, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
         path = Path(args.checkpoint_dir) / "last.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -638,8 +672,9 @@ def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, s
         with meter.paused():
             checksums = replica_checksums(model)
             sync_buffers(model.module)
-            metrics = validate(model.module, val_set, args, device)
+            # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
             save_checkpoint(model, optimizer, scheduler, scaler, args, epoch + 1, 0)
+            metrics = validate(model.module, val_set, args, device)
         rate = meter.images_per_sec()
         record = {"epoch": epoch + 1, "train_loss": train_loss, **metrics,
                   "images_per_sec": rate, "epoch_seconds": time.perf_counter() - epoch_start,
@@ -649,6 +684,10 @@ def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, s
             f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
             f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
             f"{'-' if rate is None else f'{rate:.1f}'} img/s {record['epoch_seconds']:.1f} s")
+        if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
+            log(f"stopped by SIGTERM after epoch {epoch + 1}; "
+                f"continue with --resume {Path(args.checkpoint_dir) / 'last.pt'}")
+            return
 
 
 def evaluate(model, val_set, args, device, checkpoint):
@@ -659,12 +698,14 @@ def evaluate(model, val_set, args, device, checkpoint):
 
 def main(argv=None):
     args = parse_args(argv)
-    checkpoint = load_checkpoint(args)
+    resume_from = resume_path(args)
+    checkpoint = load_checkpoint(resume_from, args)
     if args.dry_run:
         return
     device = setup_device(args)
     init_distributed(args, device)
     try:
+        check_same_start(checkpoint)
         train_set, val_set = build_datasets(args)
         steps = steps_per_epoch(train_set, args)
         model = build_model(args)
@@ -678,7 +719,7 @@ def main(argv=None):
         start_epoch, start_step = 0, 0
         if checkpoint:
             start_epoch, start_step = restore_training_state(checkpoint, optimizer, scheduler, scaler)
-            log(f"resumed from {resume_path(args)} at epoch {start_epoch + 1} step {start_step}")
+            log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
         log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
             f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, "
             f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
