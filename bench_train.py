@@ -2,6 +2,7 @@
 
     python bench_train.py                          # CPU: ResNet50 at 64 px, 2 x 1 thread vs 1 x 1 thread
     python bench_train.py --device cuda --image-size 224 --batches 256 --nproc 1 --amp bf16 --channels-last
+    python bench_train.py --batches 32 --accum-steps 4 --configs single "ddp default"   # all-reduce every 4th
 
 For each per-process batch size it runs every configuration in turn, each in fresh processes
 (torchrun for DDP), on synthetic data already in memory, and times each optimizer step after
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -30,11 +32,14 @@ from train_ddp import register_comm_hook
 
 # name -> worker flags. "single" is one process without DDP. "independent" runs --nproc
 # processes without DDP (the "--nproc" marker is not passed on): what sharing the machine costs
-# with no communication at all. The rest run --nproc processes with DDP.
+# with no communication at all. The rest run --nproc processes with DDP; "ddp, all-reduce
+# skipped" keeps all of DDP but its all-reduce, to split DDP's cost into bookkeeping and
+# communication (its replicas drift apart: a measurement, not a way to train).
 CONFIGS = {
     "single": ["--no-ddp"],
     "independent": ["--no-ddp", "--nproc"],
     "ddp default": [],
+    "ddp, all-reduce skipped": ["--hook", "skip"],
     "ddp bucket 100 MB": ["--bucket-cap-mb", "100"],
     "ddp gradient_as_bucket_view": ["--gradient-as-bucket-view"],
     "ddp tuned": ["--bucket-cap-mb", "100", "--gradient-as-bucket-view", "--static-graph"],
@@ -52,6 +57,12 @@ def parse_args():
     p.add_argument("--arch", default="resnet50")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64], help="per-process batch sizes")
+    p.add_argument(
+        "--accum-steps",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step, as in train_ddp.py: DDP all-reduces on the last only",
+    )
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved")
@@ -67,9 +78,19 @@ def parse_args():
     p.add_argument("--gradient-as-bucket-view", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--static-graph", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
-        "--hook", choices=["none", "fp16", "bf16", "powersgd"], default="none", help=argparse.SUPPRESS
+        "--hook", choices=["none", "fp16", "bf16", "powersgd", "skip"], default="none", help=argparse.SUPPRESS
     )
-    return p.parse_args()
+    args = p.parse_args()
+    if min(args.accum_steps, args.steps, args.nproc, args.threads, *args.batches) < 1:
+        p.error("--accum-steps, --steps, --nproc, --threads and --batches must be positive integers")
+    return args
+
+
+def skip_all_reduce(state, bucket):
+    """A DDP comm hook that hands back the local gradients as they are."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def worker(args):
@@ -91,7 +112,11 @@ def worker(args):
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             static_graph=args.static_graph,
         )
-        register_comm_hook(model, args.hook, warmup_steps=2)
+        if args.hook == "skip":
+            model.register_comm_hook(None, skip_all_reduce)
+        else:
+            register_comm_hook(model, args.hook, warmup_steps=2)
+    ddp_model = model  # no_sync() lives on the DDP wrapper, not on a compiled one
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -103,10 +128,13 @@ def worker(args):
     times = []
     for _ in range(args.warmup + args.steps):
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+        for micro in range(args.accum_steps):
+            last = micro == args.accum_steps - 1
+            with nullcontext() if last or args.no_ddp else ddp_model.no_sync():
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = F.cross_entropy(model(images), labels) / args.accum_steps
+                scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         if device.type == "cuda":
@@ -123,7 +151,7 @@ def run(args, batch, flags):
     common = [
         "--worker", "--batch", str(batch), "--device", args.device, "--threads", str(args.threads),
         "--arch", args.arch, "--image-size", str(args.image_size), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--amp", args.amp,
+        "--warmup", str(args.warmup), "--amp", args.amp, "--accum-steps", str(args.accum_steps),
     ] + ["--channels-last"] * args.channels_last + ["--compile"] * args.compile  # fmt: skip
     if flags == ["--no-ddp"]:
         launcher = [sys.executable, __file__]
@@ -153,6 +181,7 @@ def main():
         f"{args.arch} at {args.image_size} px on {args.device}, amp {args.amp}, "
         f"channels_last {args.channels_last}, compile {args.compile}, "
         f"{args.threads} thread(s) per process, DDP on {args.nproc} processes, "
+        f"{args.accum_steps} micro-batch(es) per step, "
         f"median of {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}"
     )
     print("| batch per process | configuration | images/s per process (runs) | vs single | vs independent |")
@@ -161,7 +190,7 @@ def main():
         runs = {name: [] for name in args.configs}
         for _ in range(args.repeats):  # interleaved, so that drift in machine speed hits every configuration
             for name in args.configs:
-                runs[name].append(batch / run(args, batch, CONFIGS[name]))
+                runs[name].append(batch * args.accum_steps / run(args, batch, CONFIGS[name]))
         speed = {name: statistics.median(r) for name, r in runs.items()}
         for name in args.configs:
             ratios = [f"{speed[name] / speed[base]:.2f}" if base in speed and base != name else "-"
