@@ -44,8 +44,10 @@ _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.d
 _HEADER_LEN = 16
 _HEADER_BYTES = _HEADER_LEN * 8
 _MAX_NDIM = _HEADER_LEN - 4
-# An all-gather of 8 KiB per rank costs about what one of 128 bytes costs (bench_gather.py),
-# so that much data rides in the header; past 8 ranks the room shrinks to 64 KiB in all.
+# Up to 64 KiB per rank an all-gather costs what one of 128 bytes costs (bench_gather.py), so
+# small payloads ride in the header. 8 KiB of room carries losses, metrics and a few rows,
+# while the large calls, whose data takes a second collective, send few idle bytes; past 8
+# ranks the room shrinks, to 64 KiB in all.
 _HEADER_ROOM_BYTES = 8 << 10
 _HEADER_MAX_ROOM_TOTAL = 64 << 10
 # Backends whose list-form all_gather accepts different sizes per rank (gloo raises).

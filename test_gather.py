@@ -363,10 +363,10 @@ def collectives_run(group, fn, *args, counted=None):
 
 
 def check_small_payloads_ride_in_the_header(device, group=None):
-    """Up to 8 KiB per rank comes with the header: one collective. One byte more on one rank: two."""
+    """Data that fits in the header's room comes with it: one collective. One byte more: two."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     room = gu._header_room(world)
-    assert room == 8 << 10 or world > 8
+    assert room == 8 << 10 or world > 8  # what the docstrings and README promise
 
     def floats(n, r):
         return torch.full((n,), float(r), device=device)
