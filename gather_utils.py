@@ -322,16 +322,24 @@ def _local_payload(name, tensor, device):
     Every failure is caught here, before the header exchange, so that it reaches the other
     ranks as an error flag instead of leaving them waiting in the data collective.
     """
-    if not isinstance(tensor, torch.Tensor):
-        return None, TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided:
-        return None, TypeError(f"{name}: expected a dense tensor, got layout {tensor.layout}")
-    if tensor.dim() > _MAX_NDIM:
-        return None, ValueError(f"{name}: at most {_MAX_NDIM} dims are supported, got {tensor.dim()}")
+    error = _unsupported(name, tensor, "a torch.Tensor")
+    if error is not None:
+        return None, error
     try:
         return _as_bytes(tensor, device), None
     except RuntimeError as exc:  # e.g. a meta tensor, or no memory left on the device
         return None, ValueError(f"{name}: could not read this rank's tensor: {exc}")
+
+
+def _unsupported(name, tensor, expected):
+    """The error for an input the header cannot describe, or None: checked on this rank alone."""
+    if not isinstance(tensor, torch.Tensor):
+        return TypeError(f"{name}: expected {expected}, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        return TypeError(f"{name}: expected a dense tensor, got layout {tensor.layout}")
+    if tensor.dim() > _MAX_NDIM:
+        return ValueError(f"{name}: at most {_MAX_NDIM} dims are supported, got {tensor.dim()}")
+    return None
 
 
 def _as_bytes(tensor, device):
@@ -469,12 +477,9 @@ def _cached_gloo_group(group):
 
 def _accumulator(name, value, device):
     """(a float copy of `value` on `device` to sum into, None), or (None, the error it deserves)."""
-    if not isinstance(value, torch.Tensor):
-        return None, TypeError(f"{name}: expected a torch.Tensor or a dict, got {type(value).__name__}")
-    if value.layout != torch.strided:
-        return None, TypeError(f"{name}: expected a dense tensor, got layout {value.layout}")
-    if value.dim() > _MAX_NDIM:
-        return None, ValueError(f"{name}: at most {_MAX_NDIM} dims are supported, got {value.dim()}")
+    error = _unsupported(name, value, "a torch.Tensor or a dict")
+    if error is not None:
+        return None, error
     if value.is_floating_point() or value.is_complex():
         dtype = torch.float32 if value.element_size() < 4 and value.is_floating_point() else value.dtype
     else:
