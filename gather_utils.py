@@ -485,7 +485,9 @@ def _accumulator(name, value, device):
     else:
         dtype = torch.float64
     try:
-        return value.detach().resolve_conj().resolve_neg().to(device=device, dtype=dtype, copy=True), None
+        # Contiguous, so that every rank's all-reduce pairs elements by index, whatever the input's strides.
+        dense = value.detach().resolve_conj().resolve_neg()
+        return dense.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True), None
     except RuntimeError as exc:
         return None, ValueError(f"{name}: could not read this rank's tensor: {exc}")
 

@@ -162,6 +162,11 @@ def check_all_reduce_mean_tensor(device, group=None):
     assert ints.dtype == torch.float64 and ints.tolist() == [mean, 1.0]
     half = gu.all_reduce_mean(torch.tensor(float(rank), dtype=torch.bfloat16, device=device), group)
     assert half.dtype == torch.bfloat16 and half.item() == pytest.approx(mean, rel=1e-2)
+    # Past the header's room, and column-major on even ranks: values must meet by index, not by memory.
+    values = torch.arange(64 * 64, dtype=torch.float32, device=device).view(64, 64)
+    local = values * (rank + 1)
+    local = local.t().contiguous().t() if rank % 2 == 0 else local
+    assert torch.equal(gu.all_reduce_mean(local, group), values * (sum(range(1, world + 1)) / world))
 
 
 def check_all_reduce_mean_dict(device, group=None):
