@@ -27,6 +27,7 @@ import torch.distributed as dist
 import gather_utils as gu
 
 ROW = 256  # float32 values per row: 1 KiB
+WARMUP_ROUNDS = 3
 
 
 def seed_all_gather_concat(data):
@@ -108,6 +109,18 @@ def time_round(fn, data):
     return elapsed.item()
 
 
+def median_ms(methods, data, repeats):
+    """Each method's median ms over `repeats` rounds, after WARMUP_ROUNDS; methods take turns
+    within each round, so that drift in the machine's speed hits them alike."""
+    times = {name: [] for name in methods}
+    for round_ in range(WARMUP_ROUNDS + repeats):
+        for name, fn in methods.items():
+            t = time_round(fn, data)
+            if round_ >= WARMUP_ROUNDS:
+                times[name].append(t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
 def bench(counts, repeats):
     rank = dist.get_rank()
     data = torch.randn(counts[rank], ROW)
@@ -125,13 +138,7 @@ def bench(counts, repeats):
         got = methods[name](data)
         got = torch.cat(got) if isinstance(got, list) else got
         assert torch.equal(got, expected), name
-    times = {name: [] for name in methods}
-    for round_ in range(repeats + 3):  # the first 3 rounds warm up
-        for name, fn in methods.items():
-            t = time_round(fn, data)
-            if round_ >= 3:
-                times[name].append(t)
-    medians = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    medians = median_ms(methods, data, repeats)
     medians["floor"] *= scale
     medians["floor, new output"] *= scale
     return medians
@@ -141,19 +148,17 @@ def bench_uneven_strategies(repeats):
     """Padding to one all-gather against one broadcast per rank, for uneven sizes on gloo: the
     measurement behind gather_utils always broadcasting them."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    skew = [16] + [1] * (world - 1)
     results = []
     for total_kib in (1, 4, 16, 64, 256, 1024, 4096, 16384):
-        skew = [16] + [1] * (world - 1)
         sizes = [total_kib * 1024 * w // sum(skew) for w in skew]
         data = torch.randint(0, 255, (sizes[rank],), dtype=torch.uint8)
         assert torch.equal(padded_gather(data, sizes), broadcast_gather(data, sizes))
-        times = {"padded all-gather": [], "broadcast per rank": []}
-        for round_ in range(repeats + 3):
-            for name, fn in (("padded all-gather", padded_gather), ("broadcast per rank", broadcast_gather)):
-                t = time_round(lambda d: fn(d, sizes), data)
-                if round_ >= 3:
-                    times[name].append(t)
-        results.append((total_kib, {n: statistics.median(ts) * 1e3 for n, ts in times.items()}))
+        methods = {
+            "padded all-gather": lambda d: padded_gather(d, sizes),
+            "broadcast per rank": lambda d: broadcast_gather(d, sizes),
+        }
+        results.append((total_kib, median_ms(methods, data, repeats)))
     return results
 
 
@@ -163,12 +168,8 @@ def bench_header_room(repeats):
     results = []
     for size in (128, 1 << 10, 4 << 10, 8 << 10, 16 << 10, 64 << 10):
         data, out = torch.zeros(size, dtype=torch.uint8), torch.empty(world * size, dtype=torch.uint8)
-        times = []
-        for round_ in range(repeats + 3):
-            t = time_round(lambda d: dist.all_gather_single(out, d), data)
-            if round_ >= 3:
-                times.append(t)
-        results.append((size, statistics.median(times) * 1e3))
+        medians = median_ms({"all-gather": lambda d: dist.all_gather_single(out, d)}, data, repeats)
+        results.append((size, medians["all-gather"]))
     return results
 
 
@@ -206,13 +207,7 @@ def bench_seed_tips(counts, repeats):
         "gather, then compute": gather_then_compute,
         "async gather overlapping compute": gather_overlapping_compute,
     }
-    times = {name: [] for name in methods}
-    for round_ in range(repeats + 3):
-        for name, fn in methods.items():
-            t = time_round(fn, data)
-            if round_ >= 3:
-                times[name].append(t)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return median_ms(methods, data, repeats)
 
 
 def main():

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train_ddp import register_comm_hook
+from train_ddp import amp_context, memory_format, register_comm_hook
 
 # name -> worker flags. "single" is one process without DDP. "independent" runs --nproc
 # processes without DDP (the "--nproc" marker is not passed on): what sharing the machine costs
@@ -101,8 +101,8 @@ def worker(args):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = torchvision.models.get_model(args.arch, num_classes=1000).to(device, memory_format=memory_format)
+    layout = memory_format(args)
+    model = torchvision.models.get_model(args.arch, num_classes=1000).to(device, memory_format=layout)
     if not args.no_ddp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         model = DDP(
@@ -121,9 +121,9 @@ def worker(args):
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
-    images = images.contiguous(memory_format=memory_format)
+    images = images.contiguous(memory_format=layout)
     labels = torch.randint(0, 1000, (args.batch,), device=device)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    autocast = amp_context(args, device)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     times = []
     for _ in range(args.warmup + args.steps):
@@ -132,7 +132,7 @@ def worker(args):
         for micro in range(args.accum_steps):
             last = micro == args.accum_steps - 1
             with nullcontext() if last or args.no_ddp else ddp_model.no_sync():
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                with autocast:
                     loss = F.cross_entropy(model(images), labels) / args.accum_steps
                 scaler.scale(loss).backward()
         scaler.step(optimizer)

@@ -42,8 +42,9 @@ _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.d
 # Header layout, one row per rank: _HEADER_LEN int64 [error flag, dtype code, ndim, extra, *shape,
 # 0-padding], then room for the rank's data when it is small (see _header_room).
 _HEADER_LEN = 16
+_ERROR, _DTYPE, _NDIM, _EXTRA, _SHAPE = range(5)  # positions in a header row
 _HEADER_BYTES = _HEADER_LEN * 8
-_MAX_NDIM = _HEADER_LEN - 4
+_MAX_NDIM = _HEADER_LEN - _SHAPE
 # Up to 64 KiB per rank an all-gather costs what one of 128 bytes costs (bench_gather.py), so
 # small payloads ride in the header. 8 KiB of room carries losses, metrics and a few rows,
 # while the large calls, whose data takes a second collective, send few idle bytes; past 8
@@ -116,7 +117,7 @@ def all_gather_concat(tensor, group=None, async_op=False):
     payload, error = _local_payload(name, tensor, device)
     rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
     shapes = _shapes(rows)
-    if len({(row[1], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
+    if len({(row[_DTYPE], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
         raise ValueError(
             f"{name}: every rank needs the same dtype and sizes after dim 0; got {_describe(rows)}"
         )
@@ -149,7 +150,7 @@ def all_gather_tensors(tensor, group=None):
     device = _setup(name, group, tensor)
     payload, error = _local_payload(name, tensor, device)
     rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
-    if len({row[1] for row in rows}) > 1:
+    if len({row[_DTYPE] for row in rows}) > 1:
         raise ValueError(f"{name}: every rank needs the same dtype; got {_describe(rows)}")
     shapes = _shapes(rows)
     sizes = [math.prod(shape) * tensor.element_size() for shape in shapes]
@@ -213,14 +214,16 @@ def all_reduce_mean(value, group=None):
         spec, kind = value, -1
     payload = _as_bytes(total, device) if error is None else None
     rows, inline = _exchange_headers(name, spec, error, group, device, extra=kind, payload=payload)
-    if len({row[3] < 0 for row in rows}) > 1:
-        kinds = "; ".join(f"rank {r}: {'a tensor' if row[3] < 0 else 'a dict'}" for r, row in enumerate(rows))
+    if len({row[_EXTRA] < 0 for row in rows}) > 1:
+        kinds = "; ".join(
+            f"rank {r}: {'a tensor' if row[_EXTRA] < 0 else 'a dict'}" for r, row in enumerate(rows)
+        )
         raise ValueError(f"{name}: every rank needs the same kind of input; got {kinds}")
-    if keys is not None and len({(row[3], row[4]) for row in rows}) > 1:
+    if keys is not None and len({(row[_EXTRA], _shape(row)) for row in rows}) > 1:
         every_keys = all_gather_object(keys, group)
         listing = "; ".join(f"rank {r}: {k}" for r, k in enumerate(every_keys))
         raise ValueError(f"{name}: every rank needs the same keys; got {listing}")
-    if keys is None and len({(row[1], *_shape(row)) for row in rows}) > 1:
+    if keys is None and len({(row[_DTYPE], *_shape(row)) for row in rows}) > 1:
         raise ValueError(f"{name}: every rank needs the same shape and dtype; got {_describe(rows)}")
     if _initialized() and payload.numel() <= inline.shape[1]:
         total = inline[:, : payload.numel()].contiguous().view(total.dtype).sum(0).view(total.shape)
@@ -257,8 +260,8 @@ def gather_for_metrics(results, indices, num_samples, group=None):
     payload, error = _metrics_payload(name, results, indices, num_samples, device)
     rows, inline = _exchange_headers(name, results, error, group, device, extra=num_samples, payload=payload)
     shapes = _shapes(rows)
-    if len({(row[1], row[3], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
-        numbers = ", ".join(str(row[3]) for row in rows)
+    if len({(row[_DTYPE], row[_EXTRA], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
+        numbers = ", ".join(str(row[_EXTRA]) for row in rows)
         raise ValueError(
             f"{name}: every rank needs the same dtype, sizes after dim 0 and num_samples; got "
             f"{_describe(rows)}; num_samples {numbers}"
@@ -322,7 +325,7 @@ def _local_payload(name, tensor, device):
     Every failure is caught here, before the header exchange, so that it reaches the other
     ranks as an error flag instead of leaving them waiting in the data collective.
     """
-    error = _unsupported(name, tensor, "a torch.Tensor")
+    error = _input_error(name, tensor, "a torch.Tensor")
     if error is not None:
         return None, error
     try:
@@ -331,7 +334,7 @@ def _local_payload(name, tensor, device):
         return None, ValueError(f"{name}: could not read this rank's tensor: {exc}")
 
 
-def _unsupported(name, tensor, expected):
+def _input_error(name, tensor, expected):
     """The error for an input the header cannot describe, or None: checked on this rank alone."""
     if not isinstance(tensor, torch.Tensor):
         return TypeError(f"{name}: expected {expected}, got {type(tensor).__name__}")
@@ -380,7 +383,7 @@ def _exchange_headers(name, spec, error, group, device, extra=0, payload=None):
         inline = gathered[:, _HEADER_BYTES:]
     if error is not None:
         raise error
-    bad = [rank for rank, row in enumerate(rows) if row[0]]
+    bad = [rank for rank, row in enumerate(rows) if row[_ERROR]]
     if bad:
         raise ValueError(
             f"{name}: rank {', '.join(map(str, bad))} passed invalid input (its own error says why); "
@@ -390,7 +393,7 @@ def _exchange_headers(name, spec, error, group, device, extra=0, payload=None):
 
 
 def _shape(row):
-    return tuple(row[4 : 4 + row[2]])
+    return tuple(row[_SHAPE : _SHAPE + row[_NDIM]])
 
 
 def _shapes(rows):
@@ -399,7 +402,7 @@ def _shapes(rows):
 
 def _describe(rows):
     return "; ".join(
-        f"rank {r}: {str(_DTYPES[row[1]]).replace('torch.', '')}{list(_shape(row))}"
+        f"rank {r}: {str(_DTYPES[row[_DTYPE]]).replace('torch.', '')}{list(_shape(row))}"
         for r, row in enumerate(rows)
     )
 
@@ -477,7 +480,7 @@ def _cached_gloo_group(group):
 
 def _accumulator(name, value, device):
     """(a float copy of `value` on `device` to sum into, None), or (None, the error it deserves)."""
-    error = _unsupported(name, value, "a torch.Tensor or a dict")
+    error = _input_error(name, value, "a torch.Tensor or a dict")
     if error is not None:
         return None, error
     if value.is_floating_point() or value.is_complex():

@@ -236,14 +236,14 @@ def test_port_29500_taken_and_two_jobs_at_once(tmp_path):
 
 # ---------------------------------------------------------------- 6. bad input fails fast, once
 @pytest.fixture(scope="module")
-def bad_inputs(tmp_path_factory, uninterrupted):
+def bad_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     for split in ["train", "val"]:
         (root / "no_images" / split / "cat").mkdir(parents=True)
         (root / "no_images" / split / "cat" / "notes.txt").write_text("not an image")
     (root / "corrupt.pt").write_bytes(b"this is not a checkpoint" * 100)
     (root / "a_file").write_text("")
-    torch.save({"model": uninterrupted, "args": {"arch": "resnet18"}}, root / "resnet18.pt")
+    torch.save({"args": {"arch": "resnet18"}}, root / "resnet18.pt")  # the arch check comes first
     return root
 
 

@@ -164,7 +164,7 @@ def check_image_folder(root):
 
 def resume_path(args):
     """--resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt, once it has one."""
-    last = Path(args.checkpoint_dir) / "last.pt"
+    last = last_checkpoint(args)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and last.exists():
         # A last.pt left in the same directory by an earlier job must not pass for this job's.
         try:
@@ -425,10 +425,9 @@ def warmup_cosine(step, warmup_steps, total_steps):
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model, args, steps_per_epoch):
+def build_optimizer(model, args, steps_per_epoch, warmup_steps):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    warmup = round(args.warmup_epochs * steps_per_epoch)
-    schedule = functools.partial(warmup_cosine, warmup_steps=warmup, total_steps=args.epochs * steps_per_epoch)
+    schedule = functools.partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=args.epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=args.amp == "fp16")
     return optimizer, scheduler, scaler
@@ -495,8 +494,7 @@ class Throughput:
         if self.start is not None:
             self.start += self.now() - begin
 
-    def eta(self, done):
-        rate = self.images_per_sec()
+    def eta(self, done, rate):
         if rate is None:
             return "?"
         seconds = (self.total_steps - done) * self.images_per_step / rate
@@ -537,7 +535,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, fi
             rate = meter.images_per_sec()
             log(f"epoch {epoch + 1}/{args.epochs} step {done}/{steps} ({global_step}/{meter.total_steps}) "
                 f"loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.4g} "
-                f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step)}")
+                f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step, rate)}")
         loss_sum += step_loss
         step_loss.zero_()
         if stop.agreed():
@@ -619,7 +617,7 @@ def save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, step):
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                  "epoch": epoch, "step": step, "world_size": dist.get_world_size(),
                  "args": vars(args), "rng": rng, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
-        path = Path(args.checkpoint_dir) / "last.pt"
+        path = last_checkpoint(args)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -628,6 +626,10 @@ def save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, step):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     dist.barrier()  # no rank goes on, or exits, before the checkpoint is complete
+
+
+def last_checkpoint(args):
+    return Path(args.checkpoint_dir) / "last.pt"
 
 
 def rng_state():
@@ -653,11 +655,11 @@ def restore_training_state(checkpoint, optimizer, scheduler, scaler):
 def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps):
     stop = SigtermStop()
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=False)
-    meter = Throughput(args.batch_size * args.accum_steps * dist.get_world_size(), args.epochs * steps, device)
+    per_step = args.batch_size * args.accum_steps  # images per optimizer step on each rank
+    meter = Throughput(per_step * dist.get_world_size(), args.epochs * steps, device)
     for epoch in range(start_epoch, args.epochs):
         epoch_start = time.perf_counter()
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        per_step = args.batch_size * args.accum_steps
         indices = list(sampler)[start_step * per_step: steps * per_step]
         loader = make_loader(train_set, indices, args, device, drop_last=True,
                              seed=args.seed + epoch * dist.get_world_size() + dist.get_rank())
@@ -667,7 +669,7 @@ def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, s
         if stopped:
             save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, done)
             log(f"stopped by SIGTERM at epoch {epoch + 1} step {done}/{steps}; "
-                f"continue with --resume {Path(args.checkpoint_dir) / 'last.pt'}")
+                f"continue with --resume {last_checkpoint(args)}")
             return
         with meter.paused():
             checksums = replica_checksums(model)
@@ -686,7 +688,7 @@ def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, s
             f"{'-' if rate is None else f'{rate:.1f}'} img/s {record['epoch_seconds']:.1f} s")
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
             log(f"stopped by SIGTERM after epoch {epoch + 1}; "
-                f"continue with --resume {Path(args.checkpoint_dir) / 'last.pt'}")
+                f"continue with --resume {last_checkpoint(args)}")
             return
 
 
@@ -714,8 +716,9 @@ def main(argv=None):
         torch.manual_seed(args.seed + dist.get_rank())  # same initial weights, then one random stream per rank
         if args.evaluate:
             return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
-        model = wrap_ddp(model, args, device, warmup_steps=round(args.warmup_epochs * steps))
-        optimizer, scheduler, scaler = build_optimizer(model, args, steps)
+        warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
+        model = wrap_ddp(model, args, device, warmup_steps)
+        optimizer, scheduler, scaler = build_optimizer(model, args, steps, warmup_steps)
         start_epoch, start_step = 0, 0
         if checkpoint:
             start_epoch, start_step = restore_training_state(checkpoint, optimizer, scheduler, scaler)
