@@ -1,6 +1,6 @@
 """Benchmark gather_utils against the floor, torch's all_gather_object and the seed article's helper.
 
-    torchrun --nproc_per_node 4 bench_gather.py [--mib 4] [--repeats 30]
+    torchrun --nproc_per_node 4 bench_gather.py [--mib 4] [--repeats 60]
 
 Every method runs in the same process group, interleaved round by round, so machine noise hits
 them alike. Each round's time is the slowest rank's; the table shows medians over rounds, and
@@ -13,8 +13,8 @@ each method's ratio to the floor:
             returns a new tensor must: on the CPU that allocation is part of the cost.
 
 Then three tables behind gather_utils' choices: the seed article's speed tips, what an
-all-gather costs by size (how much data rides in the header), and padding against one
-broadcast per rank for uneven sizes on gloo.
+all-gather costs by size (how much data rides in the header), and one all-gather against one
+broadcast per rank on gloo, for equal and for skewed sizes.
 """
 
 import argparse
@@ -51,6 +51,13 @@ def torch_all_gather_object(data):
     return torch.cat(out)
 
 
+def fresh_all_gather(data, sizes):
+    """Equal sizes in one gloo all-gather, into a new buffer, as a gather returning a new tensor must."""
+    out = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.all_gather_single(out, data)
+    return out
+
+
 def padded_gather(data, sizes):
     """Uneven sizes in one gloo all-gather: pad to the largest, gather, trim."""
     world, rank, largest = len(sizes), dist.get_rank(), max(sizes)
@@ -61,7 +68,7 @@ def padded_gather(data, sizes):
 
 
 def broadcast_gather(data, sizes):
-    """Uneven sizes as one broadcast per rank, all in flight at once."""
+    """Any sizes as one broadcast per rank, all in flight at once."""
     out = torch.empty(sum(sizes), dtype=torch.uint8)
     parts = out.split(sizes)
     parts[dist.get_rank()].copy_(data)
@@ -111,11 +118,15 @@ def time_round(fn, data):
 
 def median_ms(methods, data, repeats):
     """Each method's median ms over `repeats` rounds, after WARMUP_ROUNDS; methods take turns
-    within each round, so that drift in the machine's speed hits them alike."""
+    within each round, so that drift in the machine's speed hits them alike, and each round
+    starts one method later, so that none always runs after the same other (the allocator and
+    caches carry state from one call to the next)."""
     times = {name: [] for name in methods}
+    names = list(methods)
     for round_ in range(WARMUP_ROUNDS + repeats):
-        for name, fn in methods.items():
-            t = time_round(fn, data)
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
+            t = time_round(methods[name], data)
             if round_ >= WARMUP_ROUNDS:
                 times[name].append(t)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
@@ -144,21 +155,27 @@ def bench(counts, repeats):
     return medians
 
 
-def bench_uneven_strategies(repeats):
-    """Padding to one all-gather against one broadcast per rank, for uneven sizes on gloo: the
-    measurement behind gather_utils always broadcasting them."""
+def bench_gloo_strategies(repeats):
+    """One broadcast per rank against one all-gather (equal sizes) and against padding to one
+    all-gather (sizes skewed 16:1), on gloo: the measurement behind gather_utils broadcasting there."""
     world, rank = dist.get_world_size(), dist.get_rank()
     skew = [16] + [1] * (world - 1)
     results = []
     for total_kib in (1, 4, 16, 64, 256, 1024, 4096, 16384):
-        sizes = [total_kib * 1024 * w // sum(skew) for w in skew]
-        data = torch.randint(0, 255, (sizes[rank],), dtype=torch.uint8)
-        assert torch.equal(padded_gather(data, sizes), broadcast_gather(data, sizes))
-        methods = {
-            "padded all-gather": lambda d: padded_gather(d, sizes),
-            "broadcast per rank": lambda d: broadcast_gather(d, sizes),
-        }
-        results.append((total_kib, median_ms(methods, data, repeats)))
+        row = {}
+        for kind, weights, one_collective in (
+            ("equal", [1] * world, fresh_all_gather),
+            ("skewed", skew, padded_gather),
+        ):
+            sizes = [total_kib * 1024 * w // sum(weights) for w in weights]
+            data = torch.randint(0, 255, (sizes[rank],), dtype=torch.uint8)
+            assert torch.equal(one_collective(data, sizes), broadcast_gather(data, sizes))
+            methods = {
+                "all-gather": lambda d: one_collective(d, sizes),
+                "broadcast per rank": lambda d: broadcast_gather(d, sizes),
+            }
+            row[kind] = median_ms(methods, data, repeats)
+        results.append((total_kib, row))
     return results
 
 
@@ -213,7 +230,7 @@ def bench_seed_tips(counts, repeats):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=4, help="MiB per rank on average")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -241,14 +258,18 @@ def main():
         print("| bytes per rank | " + " | ".join(str(size) for size, _ in room) + " |")
         print("|---|" + "---|" * len(room))
         print("| ms | " + " | ".join(f"{ms:.2f} ({ms / room[0][1]:.2f}x)" for _, ms in room) + " |")
-    strategies = bench_uneven_strategies(args.repeats)
+    strategies = bench_gloo_strategies(args.repeats)
     if dist.get_rank() == 0:
-        print(f"\ngloo, {world} ranks, skewed sizes (one rank 16x the others): median ms, padded / broadcast")
-        print("| total KiB | padded all-gather | broadcast per rank | ratio |")
-        print("|---|---|---|---|")
-        for total_kib, m in strategies:
-            pad, bcast = m["padded all-gather"], m["broadcast per rank"]
-            print(f"| {total_kib} | {pad:.2f} | {bcast:.2f} | {pad / bcast:.2f} |")
+        print(f"\ngloo, {world} ranks: one all-gather against one broadcast per rank, median ms")
+        print("(equal sizes into a new buffer; skewed 16:1, padded), ratio = all-gather / broadcasts")
+        print("| total KiB | equal: all-gather | broadcasts | ratio | skewed: padded | broadcasts | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for total_kib, row in strategies:
+            cells = []
+            for m in (row["equal"], row["skewed"]):
+                one, bcast = m["all-gather"], m["broadcast per rank"]
+                cells += [f"{one:.2f}", f"{bcast:.2f}", f"{one / bcast:.2f}"]
+            print(f"| {total_kib} | " + " | ".join(cells) + " |")
     dist.destroy_process_group()
 
 

@@ -59,7 +59,7 @@ def check_all_gather_concat_uneven(device, group=None):
 
 
 def check_all_gather_concat_uneven_large(device, group=None):
-    """Uneven and over the header's room: on gloo this takes the one-broadcast-per-rank path."""
+    """Uneven and past the header's room: on gloo, one broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     out = gu.all_gather_concat(rows_for(rank, device, width=100_000), group)
     assert torch.equal(out, expected_concat(world, device, width=100_000))
@@ -368,8 +368,11 @@ def collectives_run(group, fn, *args, counted=None):
 
 
 def check_small_payloads_ride_in_the_header(device, group=None):
-    """Data that fits in the header's room comes with it: one collective. One byte more: two."""
+    """Data that fits in the header's room comes with it: one collective. One byte more: the header,
+    then the data in one all-gather, or on up to 4 gloo ranks in one broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
+    few_gloo_ranks = dist.get_backend(group) == "gloo" and world <= gu._GLOO_BROADCAST_MAX_WORLD
+    data_collectives = world if few_gloo_ranks else 1
     room = gu._header_room(world)
     assert room == 8 << 10 or world > 8  # what the docstrings and README promise
 
@@ -381,7 +384,8 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     out, n = collectives_run(group, gu.all_gather_tensors, floats(room // 4 - rank, rank))
     assert n == 1 and all(torch.equal(t, floats(room // 4 - r, r)) for r, t in enumerate(out))
     out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4 + 1, rank))
-    assert n == 2 and torch.equal(out, torch.cat([floats(room // 4 + 1, r) for r in range(world)]))
+    assert n == 1 + data_collectives
+    assert torch.equal(out, torch.cat([floats(room // 4 + 1, r) for r in range(world)]))
     # Only the last rank's data is too big: every rank must leave the header path together.
     sizes = [room // 4] * (world - 1) + [room // 4 + 1]
     out = gu.all_gather_concat(floats(sizes[rank], rank), group)
@@ -400,6 +404,24 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     # On NCCL, all_gather_object runs on a gloo group of its own.
     out, n = collectives_run(group, gu.all_gather_object, {"rank": rank}, counted=gu._gloo_group(group))
     assert n == 1 and out == [{"rank": r} for r in range(world)]
+
+
+def check_equal_sizes_past_the_gloo_broadcast_limit(device, group=None):
+    """On more gloo ranks than gather_utils broadcasts on, equal sizes take one all-gather."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    rows = gu._header_room(world) // 4 + 1  # past the header's room
+
+    def floats(r):
+        return torch.full((rows,), float(r), device=device)
+
+    limit, gu._GLOO_BROADCAST_MAX_WORLD = gu._GLOO_BROADCAST_MAX_WORLD, 0
+    try:
+        out, n = collectives_run(group, gu.all_gather_concat, floats(rank))
+        assert n == 2 and torch.equal(out, torch.cat([floats(r) for r in range(world)]))
+        out, n = collectives_run(group, gu.all_gather_tensors, floats(rank))
+        assert n == 2 and all(torch.equal(t, floats(r)) for r, t in enumerate(out))
+    finally:
+        gu._GLOO_BROADCAST_MAX_WORLD = limit
 
 
 def check_subgroup(device, group=None):
@@ -452,7 +474,12 @@ MULTI_RANK_CHECKS = [
     check_bad_input_gather_for_metrics,
 ]
 # These need an initialized process group.
-DISTRIBUTED_CHECKS = [check_subgroup, check_default_group, check_small_payloads_ride_in_the_header]
+DISTRIBUTED_CHECKS = [
+    check_subgroup,
+    check_default_group,
+    check_small_payloads_ride_in_the_header,
+    check_equal_sizes_past_the_gloo_broadcast_limit,
+]
 
 
 # ---------------------------------------------------------------------------------------------
