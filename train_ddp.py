@@ -446,20 +446,17 @@ def steps_per_epoch(train_set, args):
 # ---------------------------------------------------------------- 6. train and validate
 class SigtermStop:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; after
-    every optimizer step, and after each validation but the last, the ranks all-reduce the note,
-    so one rank's SIGTERM stops all of them at the same point. The note travels over gloo on the
-    CPU: agreeing never waits for the GPU.
+    every optimizer step, and after each validation but the last, the ranks gather the notes, so
+    one rank's SIGTERM stops all of them at the same point. all_gather_object runs on the CPU
+    (over gloo, even on NCCL): agreeing never waits for the GPU.
     """
 
     def __init__(self):
         self.requested = threading.Event()
         signal.signal(signal.SIGTERM, lambda signum, frame: self.requested.set())
-        self.group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
 
     def agreed(self):
-        flag = torch.tensor([float(self.requested.is_set())])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return any(gather_utils.all_gather_object(self.requested.is_set()))
 
 
 class Throughput:
