@@ -226,6 +226,15 @@ def expect_error(exc_type, fn, *words):
         assert word in str(info.value), (word, str(info.value))
 
 
+def expect_rank_1_error(group, exc_type, fn, *words):
+    """Rank 1 passed bad input: it raises `exc_type` naming `words`, every other rank a ValueError
+    naming rank 1."""
+    if gu.get_rank(group) == 1:
+        expect_error(exc_type, fn, *words)
+    else:
+        expect_error(ValueError, fn, "rank 1 passed invalid input")
+
+
 def check_group_still_works(device, group=None):
     """After a raised error, the next collective on the same group must still line up."""
     check_all_gather_concat_uneven(device, group)
@@ -272,14 +281,11 @@ def check_bad_input_not_a_tensor_on_one_rank(device, group=None):
     rank = gu.get_rank(group)
     local = [1, 2, 3] if rank == 1 else torch.zeros(3, device=device)
     for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
-        if rank == 1:
-            expect_error(TypeError, lambda: fn(local, group), "expected a torch.Tensor", "got list")
-        else:
-            expect_error(ValueError, lambda: fn(local, group), "rank 1 passed invalid input")
-    if rank == 1:
-        expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0, group), "could not pickle")
-    else:
-        expect_error(ValueError, lambda: gu.all_gather_object(rank, group), "rank 1 passed invalid input")
+        expect_rank_1_error(group, TypeError, lambda: fn(local, group), "expected a torch.Tensor", "got list")
+    unpicklable = (lambda: 0) if rank == 1 else rank
+    expect_rank_1_error(
+        group, TypeError, lambda: gu.all_gather_object(unpicklable, group), "could not pickle"
+    )
     check_group_still_works(device, group)
 
 
@@ -289,12 +295,8 @@ def check_bad_input_dict_keys_differ(device, group=None):
     expect_error(
         ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']"
     )
-    if rank == 1:
-        expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}, group), "str -> number")
-    else:
-        expect_error(
-            ValueError, lambda: gu.all_reduce_mean({"loss": 1.0}, group), "rank 1 passed invalid input"
-        )
+    not_a_number = {"loss": "high"} if rank == 1 else {"loss": 1.0}
+    expect_rank_1_error(group, TypeError, lambda: gu.all_reduce_mean(not_a_number, group), "str -> number")
     check_group_still_works(device, group)
 
 
@@ -309,10 +311,7 @@ def check_bad_input_unreadable_tensor_on_one_rank(device, group=None):
         local = bad if rank == 1 else torch.zeros(2, 1, device=device)
         error = TypeError if "dense" in words else ValueError
         for fn in (gu.all_gather_concat, gu.all_reduce_mean):
-            if rank == 1:
-                expect_error(error, lambda: fn(local, group), words)
-            else:
-                expect_error(ValueError, lambda: fn(local, group), "rank 1 passed invalid input")
+            expect_rank_1_error(group, error, lambda: fn(local, group), words)
     check_group_still_works(device, group)
 
 
@@ -335,24 +334,16 @@ def check_bad_input_gather_for_metrics(device, group=None):
         ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world + rank, group), "num_samples"
     )
     short = own[:1] if rank == 1 else own
-    if rank == 1:
-        expect_error(
-            ValueError,
-            lambda: gu.gather_for_metrics(results, short, 2 * world, group),
-            "1 indices for 2 result rows",
-        )
-    else:
-        expect_error(
-            ValueError,
-            lambda: gu.gather_for_metrics(results, short, 2 * world, group),
-            "rank 1 passed invalid input",
-        )
-    if rank == 1:
-        expect_error(TypeError, lambda: gu.gather_for_metrics([0.0, 0.0], own, 2 * world, group), "got list")
-    else:
-        expect_error(
-            ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world, group), "rank 1 passed"
-        )
+    expect_rank_1_error(
+        group,
+        ValueError,
+        lambda: gu.gather_for_metrics(results, short, 2 * world, group),
+        "1 indices for 2 result rows",
+    )
+    a_list = [0.0, 0.0] if rank == 1 else results
+    expect_rank_1_error(
+        group, TypeError, lambda: gu.gather_for_metrics(a_list, own, 2 * world, group), "got list"
+    )
     check_group_still_works(device, group)
 
 
