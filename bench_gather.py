@@ -9,6 +9,7 @@ each method's ratio to the floor:
     floor = one all_gather_single of equal chunks moving the same total bytes, scaled for uneven
             sizes by the most bytes any rank must receive (total - own) over what each rank
             receives when sizes are equal: no rank can finish before it has what it lacks.
+            A reference, not a bound: on gloo, one broadcast per rank can beat it.
     floor, new output = the same into a newly allocated buffer each call, as any gather that
             returns a new tensor must: on the CPU that allocation is part of the cost.
 

@@ -45,17 +45,17 @@ _HEADER_LEN = 16
 _ERROR, _DTYPE, _NDIM, _EXTRA, _SHAPE = range(5)  # positions in a header row
 _HEADER_BYTES = _HEADER_LEN * 8
 _MAX_NDIM = _HEADER_LEN - _SHAPE
-# Up to 64 KiB per rank an all-gather costs what one of 128 bytes costs (bench_gather.py), so
-# small payloads ride in the header. 8 KiB of room carries losses, metrics and a few rows,
-# while the large calls, whose data takes a second collective, send few idle bytes; past 8
-# ranks the room shrinks, to 64 KiB in all.
+# Up to 64 KiB per rank an all-gather costs about what one of 128 bytes costs (bench_gather.py),
+# so small payloads ride in the header. 8 KiB of room carries losses, metrics and a few rows,
+# while the large calls, whose data moves after the header, send few idle bytes; past 8 ranks
+# the room shrinks, to 64 KiB in all.
 _HEADER_ROOM_BYTES = 8 << 10
 _HEADER_MAX_ROOM_TOTAL = 64 << 10
 # Backends whose list-form all_gather accepts different sizes per rank (gloo raises).
 _UNEVEN_BACKENDS = ("nccl",)
-# On 2 to 4 gloo ranks one broadcast per rank, all in flight at once, beats gloo's own
-# all-gather even for equal sizes: 0.6x to 1.0x its time from 1 to 16 MiB in all, about 0.8x
-# at 4 and 16 MiB (bench_gather.py). Gloo's broadcast is a binomial tree of log2(world) steps, though, and its
+# On 2 and 4 gloo ranks one broadcast per rank, all in flight at once, beats gloo's own
+# all-gather even for equal sizes: about 0.7x to 0.9x its time from 1 to 16 MiB in all
+# (bench_gather.py). Gloo's broadcast is a binomial tree of log2(world) steps, though, and its
 # two worker threads run two collectives at a time, so the gain shrinks as ranks grow: on more
 # ranks than were measured, equal sizes keep the all-gather.
 _GLOO_BROADCAST_MAX_WORLD = 4
@@ -437,7 +437,7 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
         torch.cat([inline[r, :n] for r, n in enumerate(sizes)], out=out)
         return GatherHandle([], lambda: then(out))
     backend = dist.get_backend(group)
-    few_gloo_ranks = backend == "gloo" and len(sizes) <= _GLOO_BROADCAST_MAX_WORLD
+    few_gloo_ranks = "gloo" in str(backend) and len(sizes) <= _GLOO_BROADCAST_MAX_WORLD
     if largest == min(sizes) and not few_gloo_ranks:
         works = [_all_gather_equal(out, local, group)]
     elif backend in _UNEVEN_BACKENDS:

@@ -362,8 +362,7 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     """Data that fits in the header's room comes with it: one collective. One byte more: the header,
     then the data in one all-gather, or on up to 4 gloo ranks in one broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
-    few_gloo_ranks = dist.get_backend(group) == "gloo" and world <= gu._GLOO_BROADCAST_MAX_WORLD
-    data_collectives = world if few_gloo_ranks else 1
+    data_collectives = world if "gloo" in str(dist.get_backend(group)) and world <= 4 else 1
     room = gu._header_room(world)
     assert room == 8 << 10 or world > 8  # what the docstrings and README promise
 
@@ -397,20 +396,25 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     assert n == 1 and out == [{"rank": r} for r in range(world)]
 
 
-def check_equal_sizes_past_the_gloo_broadcast_limit(device, group=None):
-    """On more gloo ranks than gather_utils broadcasts on, equal sizes take one all-gather."""
+def check_past_the_gloo_broadcast_limit(device, group=None):
+    """On more gloo ranks than gather_utils broadcasts equal sizes on, those take one all-gather;
+    uneven sizes still take one broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     rows = gu._header_room(world) // 4 + 1  # past the header's room
 
-    def floats(r):
-        return torch.full((rows,), float(r), device=device)
+    def floats(n, r):
+        return torch.full((n,), float(r), device=device)
 
+    uneven_collectives = world if "gloo" in str(dist.get_backend(group)) else 1
     limit, gu._GLOO_BROADCAST_MAX_WORLD = gu._GLOO_BROADCAST_MAX_WORLD, 0
     try:
-        out, n = collectives_run(group, gu.all_gather_concat, floats(rank))
-        assert n == 2 and torch.equal(out, torch.cat([floats(r) for r in range(world)]))
-        out, n = collectives_run(group, gu.all_gather_tensors, floats(rank))
-        assert n == 2 and all(torch.equal(t, floats(r)) for r, t in enumerate(out))
+        out, n = collectives_run(group, gu.all_gather_concat, floats(rows, rank))
+        assert n == 2 and torch.equal(out, torch.cat([floats(rows, r) for r in range(world)]))
+        out, n = collectives_run(group, gu.all_gather_tensors, floats(rows, rank))
+        assert n == 2 and all(torch.equal(t, floats(rows, r)) for r, t in enumerate(out))
+        out, n = collectives_run(group, gu.all_gather_concat, floats(rows + rank, rank))
+        assert n == 1 + uneven_collectives
+        assert torch.equal(out, torch.cat([floats(rows + r, r) for r in range(world)]))
     finally:
         gu._GLOO_BROADCAST_MAX_WORLD = limit
 
@@ -469,7 +473,7 @@ DISTRIBUTED_CHECKS = [
     check_subgroup,
     check_default_group,
     check_small_payloads_ride_in_the_header,
-    check_equal_sizes_past_the_gloo_broadcast_limit,
+    check_past_the_gloo_broadcast_limit,
 ]
 
 
@@ -479,7 +483,7 @@ DISTRIBUTED_CHECKS = [
 
 def without_header_room(check):
     """`check` with no room for data in gather_utils' header, so that every payload, however
-    small, takes the second collective: the paths the larger payloads of real use take."""
+    small, moves after the header: the paths the larger payloads of real use take."""
 
     def run(device, group=None):
         room, gu._HEADER_ROOM_BYTES = gu._HEADER_ROOM_BYTES, 0

@@ -253,18 +253,18 @@ def test_distributed_validation_equals_single_process(tmp_path):
     assert single["epoch"] == 1
 
 
-@pytest.mark.parametrize("ddp, single", [
+@pytest.mark.parametrize("ddp_args, single_args", [
     (["--batch-size", "8"], ["--batch-size", "16"]),
     # Two micro-batches per step, each the same 8 images in both runs: DDP all-reduces only the
     # second one's backward, and the accumulated gradients must still match one process's.
     (["--batch-size", "4", "--accum-steps", "2"], ["--batch-size", "8", "--accum-steps", "2"]),
 ], ids=["one-batch", "accum-steps"])
-def test_sync_bn_two_ranks_match_one_process_with_double_batch(tmp_path, ddp, single):
+def test_sync_bn_two_ranks_match_one_process_with_double_batch(tmp_path, ddp_args, single_args):
     # One optimizer step: 2 ranks with synchronized batch norm against 1 process with twice the batch.
     one_step = ["--arch", "resnet18", "--train-samples", "16", "--val-samples", "4", "--epochs", "1",
                 "--sync-bn", "--lr", "0.5"]
-    ok(run(torchrun(2, *one_step, *ddp, "--checkpoint-dir", tmp_path / "ddp")))
-    ok(run([sys.executable, TRAIN, *one_step, *single, "--checkpoint-dir", str(tmp_path / "single")]))
+    ok(run(torchrun(2, *one_step, *ddp_args, "--checkpoint-dir", tmp_path / "ddp")))
+    ok(run([sys.executable, TRAIN, *one_step, *single_args, "--checkpoint-dir", str(tmp_path / "single")]))
     ddp, single = load(tmp_path / "ddp" / "last.pt")["model"], load(tmp_path / "single" / "last.pt")["model"]
     assert_same_weights(ddp, single, exact=False, rtol=1e-4, atol=1e-5)
     torch.manual_seed(0)  # what train_ddp.py starts from: the step really moved the weights

@@ -447,8 +447,9 @@ def steps_per_epoch(train_set, args):
 class SigtermStop:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; after
     every optimizer step, and after each validation but the last, the ranks gather the notes, so
-    one rank's SIGTERM stops all of them at the same point. all_gather_object runs on the CPU
-    (over gloo, even on NCCL): agreeing never waits for the GPU.
+    one rank's SIGTERM stops all of them at the same point. The note rides in all_gather_object's
+    header, one small collective on the CPU (over gloo, even on NCCL): agreeing never waits for
+    the GPU.
     """
 
     def __init__(self):
