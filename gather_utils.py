@@ -106,8 +106,9 @@ def all_gather_concat(tensor, group=None, async_op=False):
     must match on every rank. A 0-d tensor counts as shape (1,). The input is never modified.
 
     Collectives: a header all-gather, which also carries the data when every rank has at most
-    8 KiB (then that is all). Else the data, straight into the result: one all-gather, except
-    on gloo, where uneven sizes, and any sizes on up to 4 ranks, move as one broadcast per rank.
+    8 KiB (less past 8 ranks; then that is all). Else the data, straight into the result: one
+    all-gather, except on gloo, where uneven sizes, and any sizes on up to 4 ranks, move as one
+    broadcast per rank that has data.
 
     With `async_op=True` it returns a `GatherHandle` once the data is in flight; its `wait()`
     returns the result, so you can overlap compute with the transfer. Leave the input
@@ -118,7 +119,7 @@ def all_gather_concat(tensor, group=None, async_op=False):
     """
     name = "all_gather_concat"
     device = _setup(name, group, tensor)
-    if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 and tensor.layout == torch.strided:
         tensor = tensor.reshape(1)
     payload, error = _local_payload(name, tensor, device)
     rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
@@ -170,25 +171,27 @@ def all_gather_object(obj, group=None):
     Every rank gets the same list of `world_size` objects in rank order. Tensors inside the
     objects arrive on the CPU, so nothing lands on another rank's GPU.
 
-    Collectives: a header all-gather, then the data as in `all_gather_concat`, always over gloo
-    on the CPU, so it never needs `torch.cuda.set_device`. On a group whose backend has no gloo
-    part (plain NCCL), the first call creates a gloo group over the same ranks, with torch's
-    default gloo timeout, and reuses it afterwards.
+    Collectives: a header all-gather, then the data as in `all_gather_concat`, on the CPU
+    whenever possible, so that it needs no `torch.cuda.set_device`: on a group with a CPU
+    backend (gloo), that one; on an NCCL-only group of every rank, a gloo group over the same
+    ranks that the first call creates (with torch's default gloo timeout) and later calls
+    reuse. On an NCCL-only group of fewer ranks the bytes go through its GPU, so set the device
+    first: creating a group for some ranks only would make later `new_group` calls hang.
 
     Raises on every rank: TypeError on a rank whose object cannot be pickled (ValueError naming
     that rank on the others).
     """
     name = "all_gather_object"
     _setup(name, group)
+    via, device = _object_route(name, group)
     payload, error = None, None
     try:
-        payload = _pickle_to_cpu(obj)
+        payload = _pickle_to_cpu(obj).to(device)
     except Exception as exc:  # pickling raises many types: PicklingError, TypeError, AttributeError
         error = TypeError(f"{name}: could not pickle {type(obj).__name__}: {exc}")
-    cpu_group, cpu = _gloo_group(group), torch.device("cpu")
-    rows, inline = _exchange_headers(name, payload, error, cpu_group, cpu, payload=payload)
+    rows, inline = _exchange_headers(name, payload, error, via, device, payload=payload)
     sizes = [shape[0] for shape in _shapes(rows)]
-    chunks = _gather_bytes(payload, sizes, cpu_group, inline).wait().split(sizes)
+    chunks = _gather_bytes(payload, sizes, via, inline).wait().cpu().split(sizes)
     return [pickle.loads(chunk.numpy().tobytes()) for chunk in chunks]
 
 
@@ -196,15 +199,15 @@ def all_reduce_mean(value, group=None):
     """The mean over ranks of a tensor, or of each entry of a dict.
 
     - A tensor: every rank gets a new tensor of the same shape on the same device. Floating and
-      complex inputs keep their dtype (16-bit floats are summed in float32); integer and bool
-      inputs give float64.
-    - A dict of str -> number or 0-d tensor: every rank gets a dict of Python floats with the
+      complex inputs keep their dtype (floats under 32 bits are summed in float32, complex32 in
+      complex64); integer and bool inputs give float64.
+    - A dict of str -> real number or 0-d tensor: every rank gets a dict of Python floats with the
       same keys, summed in float64 so counts and sums stay exact. Key order may differ by rank.
 
     Collectives: 1 when the values, in the dtype they are summed in, fit in the header (8 KiB
-    per rank): every rank then sums the gathered values itself, in rank order; else 2, the
-    header all-gather and an all-reduce (plus `all_gather_object`'s, only to report key sets
-    that differ).
+    per rank, less past 8 ranks): every rank then sums the gathered values itself, in rank
+    order; else 2, the header all-gather and an all-reduce (plus `all_gather_object`'s, only to
+    report key sets that differ).
 
     Raises on every rank: ValueError when shapes or dtypes (tensor), key sets (dict), or the kind
     of input differ between ranks; TypeError on a rank that passed anything else (ValueError
@@ -299,7 +302,7 @@ def gather_for_metrics(results, indices, num_samples, group=None):
             f"{name}: {missing.numel()} of {num_samples} samples are held by no rank, "
             f"e.g. indices {missing[:8].tolist()}"
         )
-    ordered = all_rows[first].view(results.dtype).view(num_samples, *row_shape)
+    ordered = all_rows[first].reshape(-1).view(results.dtype).view(num_samples, *row_shape)
     return ordered.to(results.device)
 
 
@@ -310,14 +313,15 @@ def gather_for_metrics(results, indices, num_samples, group=None):
 def _setup(name, group, tensor=None):
     """Check membership, then return the device this rank's collectives on `group` use.
 
-    That is the CPU unless the group is NCCL-only; then the tensor's GPU if it is on one, else
-    the GPU the group is bound to, else the current GPU.
+    That is the CPU whenever the group has a CPU backend, whatever the input, so that every
+    rank picks the same; on an NCCL-only group, the tensor's GPU if it is on one, else the GPU
+    the group is bound to, else the current GPU.
     """
     if not _initialized():
         return torch.device("cpu")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{name}: this rank is not a member of the given group")
-    if dist.get_backend(group) != "nccl":
+    if "cpu" in _device_backends(group):
         return torch.device("cpu")
     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
         return tensor.device
@@ -436,8 +440,8 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
     if largest <= inline.shape[1]:  # every rank's data came with the header
         torch.cat([inline[r, :n] for r, n in enumerate(sizes)], out=out)
         return GatherHandle([], lambda: then(out))
-    backend = dist.get_backend(group)
-    few_gloo_ranks = "gloo" in str(backend) and len(sizes) <= _GLOO_BROADCAST_MAX_WORLD
+    backend = _device_backends(group).get(local.device.type)
+    few_gloo_ranks = backend == "gloo" and len(sizes) <= _GLOO_BROADCAST_MAX_WORLD
     if largest == min(sizes) and not few_gloo_ranks:
         works = [_all_gather_equal(out, local, group)]
     elif backend in _UNEVEN_BACKENDS:
@@ -472,18 +476,31 @@ def _pickle_to_cpu(obj):
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 
-def _gloo_group(group):
-    """A group over the same ranks that can move CPU tensors: `group` itself unless it is NCCL-only."""
-    if not _initialized() or "gloo" in str(dist.get_backend(group)):
-        return group
-    return _cached_gloo_group(group or dist.group.WORLD)
+def _device_backends(group):
+    """{device type: backend name} of `group`, e.g. {"cpu": "gloo", "cuda": "nccl"}.
+
+    From the backend config, not `get_backend`, which says "undefined" for a group made by
+    `init_process_group()` without a backend (gloo on the CPU, NCCL on GPUs).
+    """
+    return dict(pair.split(":") for pair in str(dist.get_backend_config(group)).split(","))
+
+
+def _object_route(name, group):
+    """(group, device) that all_gather_object's bytes move on: the CPU whenever it can."""
+    if not _initialized() or "cpu" in _device_backends(group):
+        return group, torch.device("cpu")
+    if get_world_size(group) == dist.get_world_size():
+        # Every rank is in this call, so creating a gloo group here stays collective.
+        return _cached_gloo_group(group or dist.group.WORLD), torch.device("cpu")
+    # An NCCL-only subgroup. A gloo group over its ranks alone would advance torch's group
+    # counter on them alone, and a later new_group on all ranks would then hang.
+    return group, _setup(name, group)
 
 
 @functools.lru_cache(maxsize=None)
 def _cached_gloo_group(group):
     # Keyed on the group object itself, so a re-initialized process group gets a new one.
-    ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
 
 def _accumulator(name, value, device):
@@ -491,8 +508,11 @@ def _accumulator(name, value, device):
     error = _input_error(name, value, "a torch.Tensor or a dict")
     if error is not None:
         return None, error
-    if value.is_floating_point() or value.is_complex():
-        dtype = torch.float32 if value.element_size() < 4 and value.is_floating_point() else value.dtype
+    # Floats under 32 bits, and complex32, are summed at 32-bit precision (the CPU cannot sum complex32).
+    if value.is_floating_point():
+        dtype = torch.float32 if value.element_size() < 4 else value.dtype
+    elif value.is_complex():
+        dtype = torch.complex64 if value.element_size() < 8 else value.dtype
     else:
         dtype = torch.float64
     try:
@@ -509,15 +529,15 @@ def _dict_values(name, value, device):
         if not all(isinstance(k, str) for k in value):
             raise TypeError("keys must be str")
         keys = sorted(value)
-        numbers = [_number(value[k]) for k in keys]
-    except (TypeError, ValueError, RuntimeError) as exc:
-        return [], None, TypeError(f"{name}: expected a dict of str -> number or 0-d tensor ({exc})")
-    return keys, torch.tensor(numbers, dtype=torch.float64, device=device), None
+        numbers = torch.tensor([_number(value[k]) for k in keys], dtype=torch.float64, device=device)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        return [], None, TypeError(f"{name}: expected a dict of str -> real number or 0-d tensor ({exc})")
+    return keys, numbers, None
 
 
 def _number(v):
     if isinstance(v, torch.Tensor) and v.dim() == 0:
-        return v.item()
+        v = v.item()
     if isinstance(v, (bool, int, float)):
         return v
     raise TypeError(f"got a {type(v).__name__} value")
@@ -539,6 +559,9 @@ def _metrics_payload(name, results, indices, num_samples, device):
         indices = torch.as_tensor(indices)
     except (TypeError, ValueError, RuntimeError):
         return None, TypeError(f"{name}: indices must be a 1-D integer tensor, got {type(indices).__name__}")
+    error = _input_error(name, indices, "1-D integer indices")
+    if error is not None:
+        return None, error
     if (
         indices.dim() != 1
         or indices.is_floating_point()
@@ -554,4 +577,7 @@ def _metrics_payload(name, results, indices, num_samples, device):
         )
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 0 <= num_samples < 2**63:
         return None, TypeError(f"{name}: num_samples must be a non-negative int, got {num_samples!r}")
-    return torch.cat([payload, _as_bytes(indices.to(torch.int64), device)]), None
+    try:
+        return torch.cat([payload, _as_bytes(indices.to(torch.int64), device)]), None
+    except RuntimeError as exc:  # e.g. indices on the meta device
+        return None, ValueError(f"{name}: could not read this rank's indices: {exc}")

@@ -25,7 +25,8 @@ from torch.utils.data.distributed import DistributedSampler
 import gather_utils as gu
 
 ALL_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
 ]  # fmt: skip
 
@@ -162,6 +163,12 @@ def check_all_reduce_mean_tensor(device, group=None):
     assert ints.dtype == torch.float64 and ints.tolist() == [mean, 1.0]
     half = gu.all_reduce_mean(torch.tensor(float(rank), dtype=torch.bfloat16, device=device), group)
     assert half.dtype == torch.bfloat16 and half.item() == pytest.approx(mean, rel=1e-2)
+    eighth = gu.all_reduce_mean(torch.tensor(float(rank), device=device).to(torch.float8_e5m2), group)
+    assert eighth.dtype == torch.float8_e5m2 and eighth.float().item() == pytest.approx(mean, rel=0.25)
+    # The CPU cannot sum complex32: it is summed as complex64 and returned as complex32.
+    chalf = gu.all_reduce_mean(torch.full((2,), complex(rank, 1), device=device).to(torch.complex32), group)
+    assert chalf.dtype == torch.complex32
+    assert torch.equal(chalf.to(torch.complex64), torch.full((2,), complex(mean, 1), device=device))
     # Past the header's room, and column-major on even ranks: values must meet by index, not by memory.
     values = torch.arange(64 * 64, dtype=torch.float32, device=device).view(64, 64)
     local = values * (rank + 1)
@@ -190,6 +197,12 @@ def check_all_gather_concat_lazy_views(device, group=None):
     assert torch.equal(gu.all_gather_concat(local, group), want)
     assert torch.equal(gu.all_gather_concat(local.imag, group), want.imag)  # a neg-bit view
     assert torch.equal(gu.all_reduce_mean(local, group), want.mean().expand(2))
+
+
+def check_gather_for_metrics_zero_width_rows(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    out = gu.gather_for_metrics(torch.empty(1, 0, device=device), torch.tensor([rank]), world, group)
+    assert out.shape == (world, 0)
 
 
 def check_gather_for_metrics_keeps_first_duplicate(device, group=None):
@@ -295,8 +308,9 @@ def check_bad_input_dict_keys_differ(device, group=None):
     expect_error(
         ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']"
     )
-    not_a_number = {"loss": "high"} if rank == 1 else {"loss": 1.0}
-    expect_rank_1_error(group, TypeError, lambda: gu.all_reduce_mean(not_a_number, group), "str -> number")
+    for bad, words in [("high", "got a str value"), (1j, "got a complex value"), (10**400, "too large")]:
+        not_a_number = {"loss": bad} if rank == 1 else {"loss": 1.0}
+        expect_rank_1_error(group, TypeError, lambda: gu.all_reduce_mean(not_a_number, group), words)
     check_group_still_works(device, group)
 
 
@@ -305,12 +319,13 @@ def check_bad_input_unreadable_tensor_on_one_rank(device, group=None):
     rank = gu.get_rank(group)
     for bad, words in [
         (torch.zeros(1, 1, device=device).to_sparse(), "dense tensor"),
+        (torch.zeros((), device=device).to_sparse(), "dense tensor"),
         (torch.zeros([1] * 13, device=device), "at most 12 dims"),
         (torch.empty(2, 1, device="meta"), "could not read"),
     ]:
         local = bad if rank == 1 else torch.zeros(2, 1, device=device)
         error = TypeError if "dense" in words else ValueError
-        for fn in (gu.all_gather_concat, gu.all_reduce_mean):
+        for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
             expect_rank_1_error(group, error, lambda: fn(local, group), words)
     check_group_still_works(device, group)
 
@@ -340,6 +355,10 @@ def check_bad_input_gather_for_metrics(device, group=None):
         lambda: gu.gather_for_metrics(results, short, 2 * world, group),
         "1 indices for 2 result rows",
     )
+    sparse = own.to_sparse() if rank == 1 else own
+    expect_rank_1_error(
+        group, TypeError, lambda: gu.gather_for_metrics(results, sparse, 2 * world, group), "dense tensor"
+    )
     a_list = [0.0, 0.0] if rank == 1 else results
     expect_rank_1_error(
         group, TypeError, lambda: gu.gather_for_metrics(a_list, own, 2 * world, group), "got list"
@@ -362,7 +381,7 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     """Data that fits in the header's room comes with it: one collective. One byte more: the header,
     then the data in one all-gather, or on up to 4 gloo ranks in one broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
-    data_collectives = world if "gloo" in str(dist.get_backend(group)) and world <= 4 else 1
+    data_collectives = world if gu._device_backends(group).get("cpu") == "gloo" and world <= 4 else 1
     room = gu._header_room(world)
     assert room == 8 << 10 or world > 8  # what the docstrings and README promise
 
@@ -392,7 +411,9 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     out, n = collectives_run(group, gu.gather_for_metrics, indices.float().to(device), indices, 10 * world)
     assert n == 1 and torch.equal(out, torch.arange(10 * world, device=device).float())
     # On NCCL, all_gather_object runs on a gloo group of its own.
-    out, n = collectives_run(group, gu.all_gather_object, {"rank": rank}, counted=gu._gloo_group(group))
+    out, n = collectives_run(
+        group, gu.all_gather_object, {"rank": rank}, counted=gu._object_route("", group)[0]
+    )
     assert n == 1 and out == [{"rank": r} for r in range(world)]
 
 
@@ -405,7 +426,7 @@ def check_past_the_gloo_broadcast_limit(device, group=None):
     def floats(n, r):
         return torch.full((n,), float(r), device=device)
 
-    uneven_collectives = world if "gloo" in str(dist.get_backend(group)) else 1
+    uneven_collectives = world if "cpu" in gu._device_backends(group) else 1
     limit, gu._GLOO_BROADCAST_MAX_WORLD = gu._GLOO_BROADCAST_MAX_WORLD, 0
     try:
         out, n = collectives_run(group, gu.all_gather_concat, floats(rows, rank))
@@ -456,6 +477,7 @@ CHECKS = [
     check_all_reduce_mean_dict,
     check_gather_for_metrics_drops_sampler_padding,
     check_gather_for_metrics_keeps_first_duplicate,
+    check_gather_for_metrics_zero_width_rows,
     check_all_gather_concat_lazy_views,
 ]
 # These need at least two ranks to disagree.
@@ -529,7 +551,12 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument(
+        "--backend",
+        choices=["gloo", "nccl", "default"],
+        default="gloo",
+        help="default: init_process_group()'s own",
+    )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, else cpu"
     )
@@ -540,7 +567,8 @@ def main():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     # A short timeout: a check that breaks the collectives' alignment fails in a minute, not 30.
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=60))
+    backend = None if args.backend == "default" else args.backend
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     try:
         ok = run_checks(device)
     finally:
@@ -584,6 +612,12 @@ def test_torchrun_gloo_cpu(world):
     assert passed == len(checks_for(world))
 
 
+@pytest.mark.timeout(300)
+def test_torchrun_default_backend():
+    """init_process_group() without a backend: gloo on the CPU, though get_backend() says "undefined"."""
+    assert torchrun(3, "--backend", "default") == len(checks_for(3))
+
+
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_world_of_one_without_init(check):
     assert not dist.is_initialized()
@@ -595,7 +629,7 @@ def test_world_of_one_bad_input():
     for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
         expect_error(TypeError, lambda: fn([1, 2]), "expected a torch.Tensor", "got list")
     expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0), "could not pickle")
-    expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}), "str -> number")
+    expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}), "got a str value")
     results, indices = torch.zeros(2, 1), torch.tensor([0, 1])
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 3), "held by no rank", "[2]")
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 1), "holds index 1")
