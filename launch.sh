@@ -53,8 +53,9 @@ torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS
 torchrun_pid=$!
 # SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
 # exit 0, and torchrun with them. torchrun would forward it too, but then exit 1 with a traceback.
+# Only while torchrun has no workers (starting, or between restarts) does it get the signal itself.
 stopping=0
-trap 'stopping=1; pkill -TERM -P "$torchrun_pid"' TERM
+trap 'stopping=1; pkill -TERM -P "$torchrun_pid" || kill -TERM "$torchrun_pid" || true' TERM
 status=0
 wait "$torchrun_pid" || status=$?
 # A trapped signal interrupts `wait` (status > 128) before torchrun is done: wait for its own status.

@@ -185,6 +185,41 @@ def test_sigterm_to_one_rank_stops_all_ranks_and_resumes_exactly(tmp_path, unint
     resume_and_compare(tmp_path, uninterrupted)
 
 
+def test_sigterm_to_launcher_before_the_workers_start_stops_the_job(tmp_path):
+    # torchrun has no workers yet, so the signal must go to torchrun itself: launch.sh may not
+    # exit and leave a job behind that nothing will stop.
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    wait_for(lambda: any(b"torchrun" in cmdline(pid) for pid in descendants(job.pid)), job, "torchrun",
+             interval=0.005)
+    os.kill(job.pid, signal.SIGTERM)
+    wait_exit(job, 60)
+    time.sleep(1)
+    left = in_session(job.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after launch.sh exited {job.returncode}"
+
+
+def cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
+def in_session(sid):
+    """The pids of the live processes in session `sid` (start_logged starts a new session)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def test_sigterm_during_validation_stops_when_it_ends(tmp_path, uninterrupted):
     # The checkpoint is written just before validation, and 2000 val images take seconds on
     # 2 cores: the signal arrives while the ranks validate.
@@ -241,6 +276,9 @@ def bad_inputs(tmp_path_factory):
     for split in ["train", "val"]:
         (root / "no_images" / split / "cat").mkdir(parents=True)
         (root / "no_images" / split / "cat" / "notes.txt").write_text("not an image")
+    for split, label in [("train", "cat"), ("val", "dog")]:
+        (root / "classes_differ" / split / label).mkdir(parents=True)
+        (root / "classes_differ" / split / label / "x.png").write_bytes(b"")  # only names are checked
     (root / "corrupt.pt").write_bytes(b"this is not a checkpoint" * 100)
     (root / "a_file").write_text("")
     torch.save({"args": {"arch": "resnet18"}}, root / "resnet18.pt")  # the arch check comes first
@@ -253,7 +291,12 @@ BAD_INPUTS = {
     "N not a number": (["four"], "launch.sh: error: N must be a positive integer, got 'four'"),
     "data missing": (["2", "--data", "{root}/nowhere"], "--data {root}/nowhere: no such directory"),
     "data without images": (["2", "--data", "{root}/no_images"], "{root}/no_images/train holds no images"),
+    "data classes differ": (["2", "--data", "{root}/classes_differ"],
+                            "train/ and val/ must hold the same class folders, or the labels differ "
+                            "(only in train/: ['cat']; only in val/: ['dog'])"),
     "unknown arch": (["2", "--arch", "resnet_nope"], "unknown --arch 'resnet_nope'"),
+    "powersgd with fp16": (["2", "--comm-hook", "powersgd", "--amp", "fp16"],
+                           "--comm-hook powersgd cannot run with --amp fp16"),
     "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
     "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],

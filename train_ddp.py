@@ -1,7 +1,7 @@
 """Train an image classifier with DistributedDataParallel, on GPUs (NCCL) or on CPUs (gloo).
 
     bash launch.sh 4                           # 4 processes on this machine, a free port, the right backend
-    torchrun --nproc-per-node 4 train_ddp.py   # the same by hand
+    torchrun --standalone --nproc-per-node 4 train_ddp.py   # the same by hand
     python train_ddp.py                        # a single process, no launcher
 
 Without --data it trains on a synthetic dataset generated in memory, so it runs anywhere.
@@ -137,6 +137,9 @@ def check_args(args):
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     if args.evaluate and not args.resume:
         fail("--evaluate needs --resume PATH: the checkpoint to validate")
+    if args.comm_hook == "powersgd" and args.amp == "fp16":
+        fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would leave inf in "
+             "PowerSGD's error feedback and skip every later step; use --amp bf16")
     if args.data:
         check_image_folder(Path(args.data))
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
@@ -160,6 +163,11 @@ def check_image_folder(root):
                   if f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS))
         if not folder.is_dir() or next(images, None) is None:
             fail(f"--data {root}: {folder} holds no images; expected {folder}/<class>/<image>.jpg")
+    # ImageFolder numbers the classes of each split by its own folder names.
+    train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()} for split in ["train", "val"])
+    if train != val:
+        fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels differ "
+             f"(only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
 
 
 def resume_path(args):
@@ -204,8 +212,10 @@ def setup_device(args):
     # Before any CUDA work: otherwise every rank creates its context and tensors on GPU 0.
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    # Under SLURM with one GPU per task every task sees a single GPU, whatever its local rank.
-    index = 0 if torch.cuda.device_count() == 1 else args.local_rank
+    # Under SLURM with one GPU per task every task sees a single GPU, whatever its local rank;
+    # under torchrun, LOCAL_WORLD_SIZE says how many processes share this machine's GPUs.
+    one_per_task = torch.cuda.device_count() == 1 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1
+    index = 0 if one_per_task else args.local_rank
     if index >= torch.cuda.device_count():
         fail(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
              "start at most one process per GPU")
@@ -347,7 +357,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         totals = dist_nn.all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
         n = totals[-1]
         mean = totals[:c] / n
-        var = totals[c:2 * c] / n - mean * mean
+        var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0
         with torch.no_grad():
             self.running_mean.lerp_(mean, self.momentum)
             self.running_var.lerp_(var * n / (n - 1), self.momentum)
@@ -650,8 +660,8 @@ def restore_training_state(checkpoint, optimizer, scheduler, scaler):
 
 
 # ---------------------------------------------------------------- the story
-def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps):
-    stop = SigtermStop()
+def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps,
+        stop):
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=False)
     per_step = args.batch_size * args.accum_steps  # images per optimizer step on each rank
     meter = Throughput(per_step * dist.get_world_size(), args.epochs * steps, device)
@@ -702,6 +712,9 @@ def main(argv=None):
     checkpoint = load_checkpoint(resume_from, args)
     if args.dry_run:
         return
+    # Noted from here on, so that a SIGTERM while the group, data and model are set up still
+    # stops training cleanly, at its first step.
+    stop = None if args.evaluate else SigtermStop()
     device = setup_device(args)
     init_distributed(args, device)
     try:
@@ -721,10 +734,12 @@ def main(argv=None):
         if checkpoint:
             start_epoch, start_step = restore_training_state(checkpoint, optimizer, scheduler, scaler)
             log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
+        del checkpoint  # the model and optimizer hold copies: free this one for the whole run
         log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
             f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, "
             f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
-        fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps)
+        fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps,
+            stop)
     finally:
         dist.destroy_process_group()
 
