@@ -286,6 +286,17 @@ def test_resume_equals_uninterrupted(reference, tmp_path):
     assert_same_weights(load(tmp_path / "last.pt")["model"], load(out / "last.pt")["model"])
 
 
+def test_resume_on_one_rank_keeps_the_schedule(tmp_path):
+    # 2 ranks take 32 steps per epoch, 1 rank 64: resumed after epoch 1 of 2, the schedule must
+    # go on from step 64 of 128 and end at lr 0, not from the 32 steps the checkpoint counted.
+    ok(run(torchrun(2, *TINY, "--epochs", "1", "--checkpoint-dir", tmp_path / "two")))
+    result = ok(run([sys.executable, TRAIN, *TINY, "--resume", str(tmp_path / "two" / "last.pt"),
+                     "--checkpoint-dir", str(tmp_path / "one")]))
+    assert "at epoch 2 step 0" in result.stdout
+    scheduler = load(tmp_path / "one" / "last.pt")["scheduler"]
+    assert scheduler["last_epoch"] == 128 and scheduler["_last_lr"] == [0.0]
+
+
 @pytest.mark.parametrize("hook, extra", [
     ("fp16", []),
     ("bf16", ["--amp", "bf16", "--channels-last"]),

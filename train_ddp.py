@@ -435,12 +435,21 @@ def warmup_cosine(step, warmup_steps, total_steps):
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model, args, steps_per_epoch, warmup_steps):
+def build_optimizer(model, args):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    schedule = functools.partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=args.epochs * steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=args.amp == "fp16")
-    return optimizer, scheduler, scaler
+    return optimizer, scaler
+
+
+def build_scheduler(optimizer, args, steps_per_epoch, warmup_steps, steps_done):
+    """The lr of each optimizer step, placed after `steps_done` steps of this run's layout.
+
+    Placed, not loaded from the checkpoint: a resume on other ranks or batches has other steps
+    per epoch, and the saved count of the old ones would put the cosine out of step.
+    """
+    schedule = functools.partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=args.epochs * steps_per_epoch)
+    # A resumed optimizer carries each group's initial_lr, which LambdaLR needs to start mid-way.
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule, last_epoch=steps_done - 1)
 
 
 def steps_per_epoch(train_set, args):
@@ -645,18 +654,19 @@ def rng_state():
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
-def restore_training_state(checkpoint, optimizer, scheduler, scaler):
+def restore_training_state(checkpoint, optimizer, scaler, args):
     """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
     optimizer.load_state_dict(checkpoint["optimizer"])
-    scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     if dist.get_rank() < len(rng):
         torch.set_rng_state(rng[dist.get_rank()]["torch"])
         if torch.cuda.is_available() and rng[dist.get_rank()]["cuda"] is not None:
             torch.cuda.set_rng_state(rng[dist.get_rank()]["cuda"])
-    step = checkpoint["step"] if checkpoint["world_size"] == dist.get_world_size() else 0
-    return checkpoint["epoch"], step
+    # A step within the epoch names the same images only with the same shards and batches.
+    saved = checkpoint["world_size"], checkpoint["args"]["batch_size"], checkpoint["args"]["accum_steps"]
+    same_layout = saved == (dist.get_world_size(), args.batch_size, args.accum_steps)
+    return checkpoint["epoch"], checkpoint["step"] if same_layout else 0
 
 
 # ---------------------------------------------------------------- the story
@@ -729,12 +739,13 @@ def main(argv=None):
             return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
         warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
         model = wrap_ddp(model, args, device, warmup_steps)
-        optimizer, scheduler, scaler = build_optimizer(model, args, steps, warmup_steps)
+        optimizer, scaler = build_optimizer(model, args)
         start_epoch, start_step = 0, 0
         if checkpoint:
-            start_epoch, start_step = restore_training_state(checkpoint, optimizer, scheduler, scaler)
+            start_epoch, start_step = restore_training_state(checkpoint, optimizer, scaler, args)
             log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
         del checkpoint  # the model and optimizer hold copies: free this one for the whole run
+        scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
         log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
             f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, "
             f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
