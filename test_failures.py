@@ -297,6 +297,11 @@ BAD_INPUTS = {
     "unknown arch": (["2", "--arch", "resnet_nope"], "unknown --arch 'resnet_nope'"),
     "powersgd with fp16": (["2", "--comm-hook", "powersgd", "--amp", "fp16"],
                            "--comm-hook powersgd cannot run with --amp fp16"),
+    "arch too large for the images": (["2", "--arch", "vit_b_16"],
+                                      "--arch vit_b_16 cannot train on 32 px images (AssertionError: "
+                                      "Wrong image height! Expected 224 but got 32!)"),
+    "arch with auxiliary outputs": (["2", "--arch", "googlenet"],
+                                    "--arch googlenet returns GoogLeNetOutputs in training mode, not logits"),
     "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
     "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],

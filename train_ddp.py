@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -130,9 +131,11 @@ def check_args(args):
     if args.init_timeout <= 0:
         fail(f"--init-timeout must be a positive number of seconds, got {args.init_timeout}")
     if args.arch not in ARCHS:
-        close = difflib.get_close_matches(args.arch, ARCHS, n=3, cutoff=0.5) or ["resnet18", "resnet50", "vit_b_16"]
+        close = difflib.get_close_matches(args.arch, ARCHS, n=3, cutoff=0.5)
+        close = close or ["resnet18", "resnet50", "convnext_tiny"]
         fail(f"unknown --arch '{args.arch}'; expected a torchvision classification model such as {', '.join(close)} "
              f"(all of them: torchvision.models.list_models(module=torchvision.models))")
+    check_arch_trains(args.arch, args.image_size)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     if args.evaluate and not args.resume:
@@ -145,6 +148,24 @@ def check_args(args):
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
     if args.metrics_file:
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
+
+
+def check_arch_trains(arch, image_size):
+    """One training-mode forward on the meta device (shapes only: no memory, no compute), so that a
+    model that cannot train at this size, or returns more than logits, fails now, not after setup."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
+        try:
+            model = torchvision.models.get_model(arch, weights=None, num_classes=2)
+        except Exception:  # a few (the regnets) compute while they build, which meta cannot: not checked
+            return
+        try:
+            out = model.train()(torch.empty(2, 3, image_size, image_size))
+        except Exception as e:
+            fail(f"--arch {arch} cannot train on {image_size} px images ({type(e).__name__}: "
+                 f"{str(e).strip().splitlines()[0]}); expected a larger --image-size or another --arch")
+    if not isinstance(out, torch.Tensor):
+        fail(f"--arch {arch} returns {type(out).__name__} in training mode, not logits; expected another --arch")
 
 
 def check_writable(directory, flag):
