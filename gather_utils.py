@@ -4,7 +4,9 @@ Copy this file alone into your project: it imports only torch and the standard l
 
 Every public function
 - works unchanged when torch.distributed is not initialized, as a world of one;
-- works on gloo (CPU or CUDA tensors) and on NCCL (CUDA tensors), and with a subgroup;
+- works on gloo (CPU or CUDA tensors) and on NCCL (CUDA tensors; give each rank its GPU with
+  `torch.cuda.set_device` or `init_process_group(device_id=...)` first, as torch requires,
+  which is also the GPU a rank with bad input sends its header from), and with a subgroup;
 - starts with one all-gather of a small fixed-size header per rank (error flag, dtype, shape).
   That header is also the size exchange. If any rank's input is bad, or the ranks disagree,
   every rank raises before any data moves, so the collectives stay aligned and the same

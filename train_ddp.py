@@ -368,6 +368,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs).
 
     The sums travel through a differentiable all-reduce, so the backward pass is synchronized too.
+    Made for the BatchNorm2d layers of torchvision models: affine, with a running-average momentum.
     """
 
     def forward(self, x):
