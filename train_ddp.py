@@ -1,8 +1,8 @@
 """Train an image classifier with DistributedDataParallel, on GPUs (NCCL) or on CPUs (gloo).
 
-    bash launch.sh 4                           # 4 processes on this machine, a free port, the right backend
+    bash launch.sh 4                                        # 4 processes here, a free port, the right backend
     torchrun --standalone --nproc-per-node 4 train_ddp.py   # the same by hand
-    python train_ddp.py                        # a single process, no launcher
+    python train_ddp.py                                     # a single process, no launcher
 
 Without --data it trains on a synthetic dataset generated in memory, so it runs anywhere.
 The steps follow the order of a DDP tutorial: arguments, device, process group, data,
