@@ -484,6 +484,9 @@ def _device_backends(group):
     From the backend config, not `get_backend`, which says "undefined" for a group made by
     `init_process_group()` without a backend (gloo on the CPU, NCCL on GPUs).
     """
+    if not hasattr(dist, "get_backend_config"):  # older torch: one backend per group
+        backend = dist.get_backend(group)
+        return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
     return dict(pair.split(":") for pair in str(dist.get_backend_config(group)).split(","))
 
 
