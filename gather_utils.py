@@ -482,21 +482,26 @@ def _device_backends(group):
     """{device type: backend name} of `group`, e.g. {"cpu": "gloo", "cuda": "nccl"}.
 
     From the backend config, not `get_backend`, which says "undefined" for a group made by
-    `init_process_group()` without a backend (gloo on the CPU, NCCL on GPUs).
+    `init_process_group()` without a backend (on torch 2.14: gloo on a machine without GPUs,
+    NCCL alone on one with them).
     """
-    if not hasattr(dist, "get_backend_config"):  # older torch: one backend per group
-        backend = dist.get_backend(group)
-        return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
-    return dict(pair.split(":") for pair in str(dist.get_backend_config(group)).split(","))
+    config = str(dist.get_backend_config(group)) if hasattr(dist, "get_backend_config") else ""
+    pairs = [pair.partition(":") for pair in config.split(",")]
+    if all(separator for _, separator, _ in pairs):
+        return {device: backend for device, _, backend in pairs}
+    backend = dist.get_backend(group)  # older torch, or a config without device names
+    return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
 
 
 def _object_route(name, group):
     """(group, device) that all_gather_object's bytes move on: the CPU whenever it can."""
     if not _initialized() or "cpu" in _device_backends(group):
         return group, torch.device("cpu")
-    if get_world_size(group) == dist.get_world_size():
-        # Every rank is in this call, so creating a gloo group here stays collective.
-        return _cached_gloo_group(group or dist.group.WORLD), torch.device("cpu")
+    group = group or dist.group.WORLD
+    if dist.get_process_group_ranks(group) == list(range(dist.get_world_size())):
+        # Every rank is in this call, in the same order as in a new group, so creating one
+        # here stays collective and keeps the results in the group's rank order.
+        return _cached_gloo_group(group), torch.device("cpu")
     # An NCCL-only subgroup. A gloo group over its ranks alone would advance torch's group
     # counter on them alone, and a later new_group on all ranks would then hang.
     return group, _setup(name, group)

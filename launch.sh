@@ -49,13 +49,15 @@ else
     # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
     rendezvous=(--standalone)
 fi
-torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@" &
-torchrun_pid=$!
 # SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
 # exit 0, and torchrun with them. torchrun would forward it too, but then exit 1 with a traceback.
 # Only while torchrun has no workers (starting, or between restarts) does it get the signal itself.
-stopping=0
-trap 'stopping=1; pkill -TERM -P "$torchrun_pid" || kill -TERM "$torchrun_pid" || true' TERM
+stopping=0 torchrun_pid=
+forward() { [[ -n $torchrun_pid ]] && { pkill -TERM -P "$torchrun_pid" || kill -TERM "$torchrun_pid"; } || true; }
+trap 'stopping=1; forward' TERM
+torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@" &
+torchrun_pid=$!
+if (( stopping )); then forward; fi  # a signal that came before torchrun had a pid
 status=0
 wait "$torchrun_pid" || status=$?
 # A trapped signal interrupts `wait` (status > 128) before torchrun is done: wait for its own status.

@@ -410,7 +410,7 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     indices = torch.arange(rank, 10 * world, world)
     out, n = collectives_run(group, gu.gather_for_metrics, indices.float().to(device), indices, 10 * world)
     assert n == 1 and torch.equal(out, torch.arange(10 * world, device=device).float())
-    # On NCCL, all_gather_object runs on a gloo group of its own.
+    # On an NCCL-only group of every rank, all_gather_object runs on a gloo group of its own.
     out, n = collectives_run(
         group, gu.all_gather_object, {"rank": rank}, counted=gu._object_route("", group)[0]
     )
@@ -583,8 +583,8 @@ HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
-def torchrun(nproc, *args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def torchrun(nproc, *args, timeout=240, **env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     # --standalone rendezvouses on a free local port, so parallel runs never collide.
     cmd = [
         sys.executable,
@@ -614,8 +614,9 @@ def test_torchrun_gloo_cpu(world):
 
 @pytest.mark.timeout(300)
 def test_torchrun_default_backend():
-    """init_process_group() without a backend: gloo on the CPU, though get_backend() says "undefined"."""
-    assert torchrun(3, "--backend", "default") == len(checks_for(3))
+    """init_process_group() without a backend on a machine without GPUs: gloo, though get_backend()
+    says "undefined". (With GPUs, torch 2.14 makes it NCCL alone.)"""
+    assert torchrun(3, "--backend", "default", CUDA_VISIBLE_DEVICES="") == len(checks_for(3))
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

@@ -135,7 +135,7 @@ def check_args(args):
         close = close or ["resnet18", "resnet50", "convnext_tiny"]
         fail(f"unknown --arch '{args.arch}'; expected a torchvision classification model such as {', '.join(close)} "
              f"(all of them: torchvision.models.list_models(module=torchvision.models))")
-    check_arch_trains(args.arch, args.image_size)
+    check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     if args.evaluate and not args.resume:
@@ -150,9 +150,10 @@ def check_args(args):
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
 
 
-def check_arch_trains(arch, image_size):
-    """One training-mode forward on the meta device (shapes only: no memory, no compute), so that a
-    model that cannot train at this size, or returns more than logits, fails now, not after setup."""
+def check_arch_trains(arch, image_size, training):
+    """One forward on the meta device (shapes only: no memory, no compute), in training mode unless
+    only evaluating, so that a model that cannot run at this size, or returns more than logits,
+    fails now, not after setup."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
         try:
@@ -160,12 +161,12 @@ def check_arch_trains(arch, image_size):
         except Exception:  # a few (the regnets) compute while they build, which meta cannot: not checked
             return
         try:
-            out = model.train()(torch.empty(2, 3, image_size, image_size))
+            out = model.train(training)(torch.empty(2, 3, image_size, image_size))
         except Exception as e:
             fail(f"--arch {arch} cannot train on {image_size} px images ({type(e).__name__}: "
                  f"{str(e).strip().splitlines()[0]}); expected a larger --image-size or another --arch")
     if not isinstance(out, torch.Tensor):
-        fail(f"--arch {arch} returns {type(out).__name__} in training mode, not logits; expected another --arch")
+        fail(f"--arch {arch} returns {type(out).__name__}, not logits; expected another --arch")
 
 
 def check_writable(directory, flag):
@@ -766,7 +767,7 @@ def main(argv=None):
         if checkpoint:
             start_epoch, start_step = restore_training_state(checkpoint, optimizer, scaler, args)
             log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
-        del checkpoint  # the model and optimizer hold copies: free this one for the whole run
+        del checkpoint  # the model and optimizer have what they need: free the rest for the whole run
         scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
         log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
             f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, "
