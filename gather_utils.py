@@ -184,8 +184,7 @@ def all_gather_object(obj, group=None):
     that rank on the others).
     """
     name = "all_gather_object"
-    _setup(name, group)
-    via, device = _object_route(name, group)
+    via, device = _object_route(group, _setup(name, group))
     payload, error = None, None
     try:
         payload = _pickle_to_cpu(obj).to(device)
@@ -493,10 +492,11 @@ def _device_backends(group):
     return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
 
 
-def _object_route(name, group):
-    """(group, device) that all_gather_object's bytes move on: the CPU whenever it can."""
-    if not _initialized() or "cpu" in _device_backends(group):
-        return group, torch.device("cpu")
+def _object_route(group, device):
+    """(group, device) that all_gather_object's bytes move on, from `_setup`'s device for `group`:
+    the CPU whenever it can."""
+    if device.type == "cpu":  # no process group, or one with a CPU backend
+        return group, device
     group = group or dist.group.WORLD
     if dist.get_process_group_ranks(group) == list(range(dist.get_world_size())):
         # Every rank is in this call, in the same order as in a new group, so creating one
@@ -504,7 +504,7 @@ def _object_route(name, group):
         return _cached_gloo_group(group), torch.device("cpu")
     # An NCCL-only subgroup. A gloo group over its ranks alone would advance torch's group
     # counter on them alone, and a later new_group on all ranks would then hang.
-    return group, _setup(name, group)
+    return group, device
 
 
 @functools.lru_cache(maxsize=None)

@@ -412,7 +412,7 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     assert n == 1 and torch.equal(out, torch.arange(10 * world, device=device).float())
     # On an NCCL-only group of every rank, all_gather_object runs on a gloo group of its own.
     out, n = collectives_run(
-        group, gu.all_gather_object, {"rank": rank}, counted=gu._object_route("", group)[0]
+        group, gu.all_gather_object, {"rank": rank}, counted=gu._object_route(group, gu._setup("", group))[0]
     )
     assert n == 1 and out == [{"rank": r} for r in range(world)]
 
