@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from test_train import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
-    free_port, kill_tree, load, metrics, ok, run, torchrun
+    free_port, kill_pids, kill_tree, load, metrics, ok, run, torchrun
 
 # TINY with 16 steps per epoch: these tests are about stopping and resuming, not accuracy.
 FAST = [*TINY, "--train-samples", "256"]
@@ -68,13 +68,17 @@ def wait_exit(proc, timeout):
 def worker(proc, rank):
     """The pid of the training process with this RANK among proc's descendants."""
     for pid in descendants(proc.pid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if f"RANK={rank}".encode() in environ:
+        if f"RANK={rank}".encode() in proc_file(pid, "environ").split(b"\0"):
             return pid
     raise AssertionError(f"no worker with RANK={rank} under {proc.pid}")
+
+
+def proc_file(pid, name):
+    """The bytes of /proc/<pid>/<name>, or b"" once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +153,9 @@ def test_max_restarts_resumes_by_itself(tmp_path, uninterrupted):
 
 
 def test_restart_ignores_a_last_pt_from_an_earlier_job(tmp_path, uninterrupted):
-    # An earlier job left last.pt in the same --checkpoint-dir; this job's rank dies before its first save.
-    ok(run(torchrun(2, *FAST, "--epochs", "1", "--checkpoint-dir", tmp_path)))
+    # An earlier job left last.pt in the same --checkpoint-dir (only its run id is read before it is
+    # ignored); this job's rank dies before its first save.
+    torch.save({"run_id": "an-earlier-job"}, tmp_path / "last.pt")
     job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], subdir(tmp_path / "log"),
                        env=clean_env(MAX_RESTARTS=1))
     wait_for(lambda: "epoch 1/2 step 4/16" in stdout(job), job, "step 4 of epoch 1", interval=0.01)
@@ -189,27 +194,16 @@ def test_sigterm_to_launcher_before_the_workers_start_stops_the_job(tmp_path):
     # torchrun has no workers yet, so the signal must go to torchrun itself: launch.sh may not
     # exit and leave a job behind that nothing will stop.
     job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
-    wait_for(lambda: any(b"torchrun" in cmdline(pid) for pid in descendants(job.pid)), job, "torchrun",
-             interval=0.005)
+    wait_for(lambda: any(b"torchrun" in proc_file(pid, "cmdline") for pid in descendants(job.pid)), job,
+             "torchrun", interval=0.005)
     os.kill(job.pid, signal.SIGTERM)
     wait_exit(job, 60)
     time.sleep(1)
     # torchrun starts each worker in a session of its own: find every process by its arguments.
-    left = [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/cmdline") if str(tmp_path).encode() in read(p)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = [int(p.name) for p in Path("/proc").glob("[0-9]*")
+            if str(tmp_path).encode() in proc_file(p.name, "cmdline")]
+    kill_pids(left)
     assert not left, f"still running after launch.sh exited {job.returncode}"
-
-
-def cmdline(pid):
-    return read(Path(f"/proc/{pid}/cmdline"))
-
-
-def read(path):
-    try:
-        return path.read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return b""
 
 
 def test_sigterm_during_validation_stops_when_it_ends(tmp_path, uninterrupted):

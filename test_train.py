@@ -71,7 +71,11 @@ def descendants(pid):
 
 def kill_tree(proc, sig=signal.SIGKILL):
     """torchrun starts each worker in its own session, so killing its process group is not enough."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
+    kill_pids([proc.pid, *descendants(proc.pid)], sig)
+
+
+def kill_pids(pids, sig=signal.SIGKILL):
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
