@@ -12,10 +12,12 @@ one), and run the GPU variants when CUDA is present.
 
 import argparse
 import datetime
+import functools
 import os
 import subprocess
 import sys
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -377,16 +379,23 @@ def collectives_run(group, fn, *args, counted=None):
     return result, counted._get_sequence_number_for_group() - before
 
 
+def full(n, value, device):
+    return torch.full((n,), float(value), device=device)
+
+
+def on_gloo(group):
+    """Whether gather_utils moves this group's data over gloo (it uses the CPU whenever it can)."""
+    return gu._device_backends(group).get(gu._setup("", group).type) == "gloo"
+
+
 def check_small_payloads_ride_in_the_header(device, group=None):
     """Data that fits in the header's room comes with it: one collective. One byte more: the header,
     then the data in one all-gather, or on up to 4 gloo ranks in one broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
-    data_collectives = world if gu._device_backends(group).get("cpu") == "gloo" and world <= 4 else 1
+    data_collectives = world if on_gloo(group) and world <= 4 else 1
     room = gu._header_room(world)
     assert room == 8 << 10 or world > 8  # what the docstrings and README promise
-
-    def floats(n, r):
-        return torch.full((n,), float(r), device=device)
+    floats = functools.partial(full, device=device)
 
     out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4, rank))
     assert n == 1 and torch.equal(out, torch.cat([floats(room // 4, r) for r in range(world)]))
@@ -422,13 +431,9 @@ def check_past_the_gloo_broadcast_limit(device, group=None):
     uneven sizes still take one broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     rows = gu._header_room(world) // 4 + 1  # past the header's room
-
-    def floats(n, r):
-        return torch.full((n,), float(r), device=device)
-
-    uneven_collectives = world if "cpu" in gu._device_backends(group) else 1
-    limit, gu._GLOO_BROADCAST_MAX_WORLD = gu._GLOO_BROADCAST_MAX_WORLD, 0
-    try:
+    floats = functools.partial(full, device=device)
+    uneven_collectives = world if on_gloo(group) else 1
+    with mock.patch.object(gu, "_GLOO_BROADCAST_MAX_WORLD", 0):
         out, n = collectives_run(group, gu.all_gather_concat, floats(rows, rank))
         assert n == 2 and torch.equal(out, torch.cat([floats(rows, r) for r in range(world)]))
         out, n = collectives_run(group, gu.all_gather_tensors, floats(rows, rank))
@@ -436,8 +441,6 @@ def check_past_the_gloo_broadcast_limit(device, group=None):
         out, n = collectives_run(group, gu.all_gather_concat, floats(rows + rank, rank))
         assert n == 1 + uneven_collectives
         assert torch.equal(out, torch.cat([floats(rows + r, r) for r in range(world)]))
-    finally:
-        gu._GLOO_BROADCAST_MAX_WORLD = limit
 
 
 def check_subgroup(device, group=None):
@@ -449,8 +452,7 @@ def check_subgroup(device, group=None):
         expect_error(ValueError, lambda: gu.all_gather_concat(torch.zeros(1), sub), "not a member")
         return
     assert gu.all_gather_concat(torch.tensor([dist.get_rank()], device=device), sub).tolist() == members
-    checks = CHECKS + (MULTI_RANK_CHECKS if len(members) > 1 else [])
-    for check in [*checks, check_small_payloads_ride_in_the_header]:
+    for check in [*plain_checks(len(members)), check_small_payloads_ride_in_the_header]:
         check(device, sub)
 
 
@@ -508,19 +510,21 @@ def without_header_room(check):
     small, moves after the header: the paths the larger payloads of real use take."""
 
     def run(device, group=None):
-        room, gu._HEADER_ROOM_BYTES = gu._HEADER_ROOM_BYTES, 0
-        try:
+        with mock.patch.object(gu, "_HEADER_ROOM_BYTES", 0):
             check(device, group)
-        finally:
-            gu._HEADER_ROOM_BYTES = room
 
     run.__name__ = f"{check.__name__}_without_header_room"
     return run
 
 
+def plain_checks(world):
+    """The checks that take any group of `world` ranks (those that need two ranks from 2 up)."""
+    return CHECKS + (MULTI_RANK_CHECKS if world > 1 else [])
+
+
 def checks_for(world):
     """Every check a process group of `world` ranks runs under torchrun."""
-    plain = CHECKS + (MULTI_RANK_CHECKS if world > 1 else [])
+    plain = plain_checks(world)
     return plain + DISTRIBUTED_CHECKS + [without_header_room(check) for check in plain]
 
 
