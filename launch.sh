@@ -21,24 +21,13 @@ if [[ ! $n =~ ^[1-9][0-9]*$ ]]; then
 fi
 shift
 
-gpus=0
-if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    gpus=$(nvidia-smi -L | wc -l)
-    if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
-        gpus=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
-    fi
-fi
-if (( gpus > 0 && n > gpus )); then
-    echo "launch.sh: error: N=$n processes but only $gpus GPUs; use N <= $gpus (one process per GPU)" >&2
-    exit 2
-fi
-
 cores=$(getconf _NPROCESSORS_ONLN)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# Bad arguments fail here, once, with one line, before any worker or port exists.
-python3 "$here/train_ddp.py" --dry-run "$@"
+# Bad arguments, or more processes than GPUs, fail here, once, with one line, before any
+# worker or port exists.
+LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
 
 if [[ -n ${NNODES:-} ]]; then
     : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"

@@ -313,10 +313,13 @@ def test_bad_input_fails_fast_with_one_line(case, bad_inputs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 def test_more_processes_than_gpus_fails_fast():
     n = torch.cuda.device_count() + 1
-    result = run(["bash", LAUNCH, str(n)], timeout=30)
+    env = clean_env()
+    del env["CUDA_VISIBLE_DEVICES"]  # the one test that needs the GPUs
+    result = run(["bash", LAUNCH, str(n)], timeout=30, env=env)
     assert result.returncode != 0 and result.seconds < 15
     assert result.stderr.strip().splitlines() == [
-        f"launch.sh: error: N={n} processes but only {n - 1} GPUs; use N <= {n - 1} (one process per GPU)"]
+        f"train_ddp.py: error: {n} processes on this machine but only {n - 1} GPUs are visible; "
+        "start at most one process per GPU"]
 
 
 def test_val_set_smaller_than_world_size_works(tmp_path):

@@ -43,9 +43,12 @@ def free_port():
 
 
 def clean_env(**extra):
+    """No launcher's or SLURM's variables, one thread per rank, and no GPU: these are CPU tests,
+    and with a GPU --backend auto would pick NCCL and the GPU defaults."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
                                                                      "SLURM_", "NNODES", "NODE_RANK", "MAX_RESTARTS"))}
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

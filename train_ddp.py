@@ -68,6 +68,12 @@ def fail(message):
     sys.exit(2)
 
 
+def rank_error(message, code=1):
+    """An error of this rank's own, which the others may not see: each rank says it, one line each."""
+    print(f"train_ddp.py: error: rank {env_rank()}: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 # ---------------------------------------------------------------- 1. arguments
 def parse_args(argv=None):
     p = ArgumentParser(description="DDP training of a torchvision classifier (see README.md).")
@@ -138,6 +144,12 @@ def check_args(args):
     check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
+    # torchrun (and launch.sh's dry run) say how many processes share this machine; a count
+    # from torch includes CUDA_VISIBLE_DEVICES and MIG, which nvidia-smi -L does not.
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
+        fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} GPUs are "
+             "visible; start at most one process per GPU")
     if args.evaluate and not args.resume:
         fail("--evaluate needs --resume PATH: the checkpoint to validate")
     if args.comm_hook == "powersgd" and args.amp == "fp16":
@@ -238,9 +250,9 @@ def setup_device(args):
     # under torchrun, LOCAL_WORLD_SIZE says how many processes share this machine's GPUs.
     one_per_task = torch.cuda.device_count() == 1 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1
     index = 0 if one_per_task else args.local_rank
-    if index >= torch.cuda.device_count():
-        fail(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
-             "start at most one process per GPU")
+    if index >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
+        rank_error(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
+                   "start at most one process per GPU", code=2)
     torch.cuda.set_device(index)
     torch.backends.cudnn.benchmark = True  # fixed input sizes: time the conv kernels once, keep the fastest
     return torch.device("cuda", index)
