@@ -330,3 +330,15 @@ def test_amp_fp16_runs_with_grad_scaler(tmp_path):
     scaler = load(tmp_path / "last.pt")["scaler"]
     # From 2**16 the scale halves on each step whose fp16 gradients overflow; those steps are skipped.
     assert 0 < scaler["scale"] < 2.0 ** 16 and scaler["_growth_tracker"] >= 1
+
+
+def test_resume_with_amp_fp16_from_a_checkpoint_without_it(tmp_path):
+    # A checkpoint written without --amp fp16 holds an empty scaler state: the resumed run's
+    # GradScaler must start from its defaults instead of failing to load it.
+    tiny = ["--arch", "resnet18", "--train-samples", "32", "--val-samples", "4", "--batch-size", "8"]
+    ok(run([sys.executable, TRAIN, *tiny, "--epochs", "1", "--checkpoint-dir", str(tmp_path)]))
+    assert load(tmp_path / "last.pt")["scaler"] == {}
+    result = ok(run([sys.executable, TRAIN, *tiny, "--epochs", "2", "--amp", "fp16", "--checkpoint-dir", str(tmp_path),
+                     "--resume", str(tmp_path / "last.pt")]))
+    assert "resumed from" in result.stdout and "epoch 2/2 train_loss" in result.stdout
+    assert load(tmp_path / "last.pt")["scaler"]["_growth_tracker"] >= 1

@@ -692,7 +692,8 @@ def rng_state():
 def restore_training_state(checkpoint, optimizer, scaler, args):
     """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
     optimizer.load_state_dict(checkpoint["optimizer"])
-    scaler.load_state_dict(checkpoint["scaler"])
+    if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler starts from its defaults
+        scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     if dist.get_rank() < len(rng):
         torch.set_rng_state(rng[dist.get_rank()]["torch"])
