@@ -100,6 +100,7 @@ def worker(args):
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # as train_ddp.py's setup_device: time its configuration
     torch.manual_seed(0)
     layout = memory_format(args)
     model = torchvision.models.get_model(args.arch, num_classes=1000).to(device, memory_format=layout)
