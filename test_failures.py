@@ -130,6 +130,18 @@ def test_missing_node_fails_within_init_timeout(tmp_path):
     assert "Timed out after" in result.stderr and "1/2 clients joined" in result.stderr
 
 
+
+def test_gloo_without_a_usable_interface_names_gloo_socket_ifname(tmp_path):
+    # Gloo finds its interface by itself (the hostname's address) or from GLOO_SOCKET_IFNAME;
+    # when that fails, every rank says which variable to set, in one line.
+    result = run(torchrun(2, *TINY, "--checkpoint-dir", tmp_path), timeout=60,
+                 env=clean_env(GLOO_SOCKET_IFNAME="nonexistent0"))
+    assert result.returncode != 0
+    for rank in range(2):
+        lines = [line for line in result.stderr.splitlines() if line.startswith(f"train_ddp.py: error: rank {rank}:")]
+        assert len(lines) == 1 and "nonexistent0" in lines[0], result.stderr[-3000:]
+        assert lines[0].endswith("set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on)")
+
 # ---------------------------------------------------------------- 2. a rank killed with SIGKILL
 def test_sigkill_of_a_rank_stops_the_job_and_resume_continues(tmp_path, uninterrupted):
     job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)

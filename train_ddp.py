@@ -289,12 +289,26 @@ def init_distributed(args, device):
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
         dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
         dist.barrier()
+        # On NCCL, gather_utils' CPU collectives run on a gloo group that its first call forms:
+        # form it here, so that a network problem shows now, as one line.
+        gather_utils.all_gather_object(None)
     except (RuntimeError, ValueError) as e:
-        reason = str(e).strip().splitlines()[0]
-        print(f"train_ddp.py: error: rank {rank}: the process group did not form within --init-timeout "
-              f"{args.init_timeout:g} s: expected WORLD_SIZE={world_size} ranks at {address} ({reason})",
-              file=sys.stderr, flush=True)
-        sys.exit(1)
+        rank_error(init_failure(e, args, world_size, address))
+
+
+def init_failure(error, args, world_size, address):
+    """Why the process group did not form, in one line that says what to change."""
+    text = str(error)
+    duplicate = [line.strip() for line in text.splitlines() if "Duplicate GPU" in line]
+    if duplicate:  # NCCL: two processes that see the same single GPU, e.g. SLURM tasks without GPU binding
+        return (f"two ranks share one GPU ({duplicate[0]}); give each process a GPU of its own "
+                "(srun --gpus-per-task=1, or one launch.sh per node)")
+    reason = text.strip().splitlines()[0]
+    if "gloo" in text.lower():
+        reason += ("; gloo finds its network interface from the hostname and ignores NCCL_SOCKET_IFNAME: "
+                   "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
+    return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "
+            f"expected WORLD_SIZE={world_size} ranks at {address} ({reason})")
 
 
 def check_same_start(checkpoint):
