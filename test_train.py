@@ -152,20 +152,87 @@ def test_torchrun_launch(tmp_path):
     assert load(tmp_path / "last.pt")["epoch"] == 1
 
 
-def test_image_folder_data(tmp_path):
-    # Real files through the real path: ImageFolder, the crop and flip transforms, classes from folders.
+def write_images(root, make_image, classes, per_split):
+    """PNG files in ImageFolder layout: root/<split>/<class>/<i>.png, make_image(label, i) -> uint8 HWC."""
     from PIL import Image
 
-    generator = torch.Generator().manual_seed(0)
-    for split, per_class in [("train", 16), ("val", 5)]:
-        for label, name in enumerate(["dark", "light"]):
-            (tmp_path / "data" / split / name).mkdir(parents=True)
-            for i in range(per_class):
-                pixels = torch.randint(0, 128, (40, 48, 3), generator=generator, dtype=torch.uint8) + 127 * label
-                Image.fromarray(pixels.numpy()).save(tmp_path / "data" / split / name / f"{i}.png")
-    ok(run(torchrun(2, "--data", tmp_path / "data", "--arch", "resnet18", "--image-size", "32", "--batch-size", "4",
-                    "--epochs", "1", "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl")))
-    assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 10
+    for split, count in per_split.items():
+        for label, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(make_image(label, i).numpy()).save(root / split / name / f"{i}.png")
+    return root
+
+
+def noise_image(height, width):
+    return lambda label, i: torch.randint(0, 256, (height, width, 3), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(2 * i + label))
+
+
+def shift_between(train_image, val_image, max_shift):
+    """(dy, dx, mirrored) such that train_image is val_image moved by (dy, dx) and maybe mirrored
+    (comparing where both have pixels), or None."""
+    height, width = val_image.shape[1:]
+    for mirrored in (False, True):
+        source = val_image.flip(-1) if mirrored else val_image
+        for dy in range(-max_shift, max_shift + 1):
+            for dx in range(-max_shift, max_shift + 1):
+                moved = source[:, max(dy, 0):height + min(dy, 0), max(dx, 0):width + min(dx, 0)]
+                kept = train_image[:, max(-dy, 0):height + min(-dy, 0), max(-dx, 0):width + min(-dx, 0)]
+                if torch.equal(moved, kept):
+                    return dy, dx, mirrored
+    return None
+
+
+@pytest.mark.parametrize("flip", [True, False], ids=["flip", "no-flip"])
+def test_small_images_train_whole_padded_and_cropped(tmp_path, flip):
+    import train_ddp
+
+    data = write_images(tmp_path, noise_image(32, 32), ["a", "b"], {"train": 1, "val": 1})
+    args = train_ddp.parse_args(["--data", str(data), "--arch", "resnet18", "--image-size", "32",
+                                 *([] if flip else ["--no-flip"])])
+    train_set, val_set = train_ddp.build_datasets(args)
+    val_image = val_set[0][0]
+    pixels = train_ddp.transforms.functional.to_tensor(noise_image(32, 32)(0, 0).numpy())
+    normalized = train_ddp.transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])(pixels)
+    assert torch.equal(val_image, normalized), "validation must see the image as it is"
+    torch.manual_seed(0)
+    shifts = [shift_between(train_set[0][0], val_image, max_shift=4) for _ in range(40)]
+    assert None not in shifts  # never more than 1/8 of 32 px, never scaled
+    assert len({(dy, dx) for dy, dx, _ in shifts}) > 10
+    assert any(mirrored for *_, mirrored in shifts) == flip and not all(mirrored for *_, mirrored in shifts)
+    assert train_ddp.describe_recipe(args) == f"small-image recipe (pad 4 px, random crop{', flip' * flip})"
+
+
+def test_image_sizes_choose_the_recipe(tmp_path):
+    import train_ddp
+
+    data = write_images(tmp_path, noise_image(40, 48), ["a", "b"], {"train": 1, "val": 1})
+    for size, recipe in [(32, "small-image recipe (pad 4 px"), (64, "small-image recipe (pad 8 px"),
+                         (65, "ImageNet recipe (random resized crop"), (96, "ImageNet recipe (random resized crop")]:
+        args = train_ddp.parse_args(["--data", str(data), "--arch", "resnet18", "--image-size", str(size)])
+        assert train_ddp.describe_recipe(args).startswith(recipe)
+        train_set, val_set = train_ddp.build_datasets(args)
+        assert train_set[0][0].shape == val_set[0][0].shape == (3, size, size)  # non-square files, square batches
+
+
+def test_image_folder_data(tmp_path):
+    # Real small files through the whole path: ImageFolder, the small-image recipe, classes from
+    # folders; the two classes differ in stripe direction, which no crop or flip changes.
+    def stripes(label, i):
+        generator = torch.Generator().manual_seed(i)
+        wave = (torch.arange(32) // 2 % 2 * 160).to(torch.uint8)
+        pattern = (wave[:, None] if label else wave[None, :]).expand(32, 32)
+        return (pattern[..., None] + torch.randint(0, 96, (32, 32, 3), generator=generator, dtype=torch.uint8))
+
+    data = write_images(tmp_path / "data", stripes, ["horizontal", "vertical"], {"train": 64, "val": 8})
+    result = ok(run(torchrun(2, "--data", data, "--arch", "resnet18", "--image-size", "32", "--batch-size", "8",
+                             "--epochs", "3", "--checkpoint-dir", tmp_path,
+                             "--metrics-file", tmp_path / "m.jsonl")))
+    assert "32 px, small-image recipe (pad 4 px, random crop, flip)" in result.stdout
+    records = metrics(tmp_path / "m.jsonl")
+    assert records[0]["val_samples"] == 16
+    assert records[-1]["val_acc1"] >= 87.5, records  # chance is 50%
     assert load(tmp_path / "last.pt")["model"]["fc.weight"].shape[0] == 2  # one output per class folder
 
 

@@ -48,6 +48,9 @@ DEVICE_DEFAULTS = {
 ARCHS = torchvision.models.list_models(module=torchvision.models)
 SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.75: learnable, but not in one step
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "world_size", "args", "rng"}
+# Images up to this size (CIFAR's 32 px, Tiny ImageNet's 64 px) train whole, padded and
+# cropped; ImageNet's random-resized crop, which can keep 8% of an image, throws their signal away.
+SMALL_IMAGE_MAX_SIZE = 64
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
 
 
@@ -89,6 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--num-classes", type=int, default=10, help="synthetic classes (default 10)")
     p.add_argument("--image-size", type=int, help="crop size (default 32 on CPU, 224 on GPU)")
     p.add_argument("--workers", type=int, help="DataLoader workers per process (default 0 on CPU, 6 on GPU)")
+    p.add_argument("--no-flip", action="store_true",
+                   help="no random horizontal flip, for --data where mirroring changes the class (digits, text)")
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model (default resnet50)")
     p.add_argument("--sync-bn", action="store_true", help="batch-norm statistics over all ranks")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on tensor cores)")
@@ -371,14 +376,30 @@ def build_datasets(args):
     if not args.data:
         return (SyntheticImages(args.train_samples, args.num_classes, args.image_size, args.seed, "train"),
                 SyntheticImages(args.val_samples, args.num_classes, args.image_size, args.seed, "val"))
-    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
-    train_tf = transforms.Compose([transforms.RandomResizedCrop(args.image_size), transforms.RandomHorizontalFlip(),
-                                   transforms.ToTensor(), normalize])
-    val_tf = transforms.Compose([transforms.Resize(args.image_size * 256 // 224),
-                                 transforms.CenterCrop(args.image_size), transforms.ToTensor(), normalize])
+    size = args.image_size
+    if size <= SMALL_IMAGE_MAX_SIZE:  # the whole image (squared at size), padded by 1/8 and cropped back
+        val_crop = [transforms.Resize(size), transforms.CenterCrop(size)]
+        train_crop = val_crop + [transforms.RandomCrop(size, padding=size // 8)]
+    else:  # ImageNet's recipe
+        train_crop = [transforms.RandomResizedCrop(size)]
+        val_crop = [transforms.Resize(size * 256 // 224), transforms.CenterCrop(size)]
+    flip = [] if args.no_flip else [transforms.RandomHorizontalFlip()]
+    to_tensor = [transforms.ToTensor(), transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])]
     root = Path(args.data)
-    return (torchvision.datasets.ImageFolder(root / "train", train_tf, allow_empty=True),
-            torchvision.datasets.ImageFolder(root / "val", val_tf, allow_empty=True))
+    return (torchvision.datasets.ImageFolder(root / "train", transforms.Compose(train_crop + flip + to_tensor),
+                                             allow_empty=True),
+            torchvision.datasets.ImageFolder(root / "val", transforms.Compose(val_crop + to_tensor), allow_empty=True))
+
+
+def describe_recipe(args):
+    """The training augmentation, for the log's start line."""
+    if not args.data:
+        return "synthetic data"
+    if args.image_size <= SMALL_IMAGE_MAX_SIZE:
+        recipe = f"small-image recipe (pad {args.image_size // 8} px, random crop"
+    else:
+        recipe = "ImageNet recipe (random resized crop"
+    return recipe + ("" if args.no_flip else ", flip") + ")"
 
 
 def make_loader(dataset, indices, args, device, drop_last, seed):
@@ -797,7 +818,7 @@ def main(argv=None):
         del checkpoint  # the model and optimizer have what they need: free the rest for the whole run
         scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
         log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
-            f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, "
+            f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
             f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
         fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps,
             stop)
