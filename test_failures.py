@@ -302,6 +302,8 @@ BAD_INPUTS = {
                                     "--arch googlenet returns GoogLeNetOutputs, not logits"),
     "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
     "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    "workers beyond /dev/shm": (["2", "--workers", "8", "--batch-size", "4096", "--image-size", "224"],
+                                "--workers 8: 2 process(es) x 17 batches of 2352 MB need 79968 MB of /dev/shm"),
     "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],
                                     "--checkpoint-dir: cannot write under {root}/a_file; expected a writable directory"),
     "resume missing": (["2", "--resume", "{root}/none.pt"], "--resume {root}/none.pt: no such file"),

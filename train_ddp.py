@@ -165,6 +165,7 @@ def check_args(args):
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
     if args.metrics_file:
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
+    check_shared_memory(args, local_world_size)
 
 
 def check_arch_trains(arch, image_size, training):
@@ -191,6 +192,22 @@ def check_writable(directory, flag):
     existing = next(d for d in [directory, *directory.parents] if d.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         fail(f"{flag}: cannot write under {existing}; expected a writable directory")
+
+
+def check_shared_memory(args, local_world_size):
+    """DataLoader workers hand their batches over in /dev/shm; a container's default of 64 MB
+    holds few 224 px batches, and running out kills the workers mid-epoch with a bus error."""
+    if args.workers == 0 or not os.path.isdir("/dev/shm"):
+        return
+    shm = os.statvfs("/dev/shm")
+    free_mb = shm.f_bavail * shm.f_frsize / 2**20
+    batch_mb = args.batch_size * 3 * args.image_size**2 * 4 / 2**20  # float32 images
+    # Each worker prefetches 2 batches (DataLoader's default), and the process holds one more.
+    need_mb = local_world_size * (2 * args.workers + 1) * batch_mb
+    if need_mb > free_mb:
+        fail(f"--workers {args.workers}: {local_world_size} process(es) x {2 * args.workers + 1} batches of "
+             f"{batch_mb:.0f} MB need {need_mb:.0f} MB of /dev/shm, which has {free_mb:.0f} MB free; expected "
+             "fewer --workers, a smaller --batch-size, or a larger /dev/shm (docker run --shm-size=8g)")
 
 
 def check_image_folder(root):
