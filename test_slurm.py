@@ -176,6 +176,7 @@ def test_plain_scancel_saves_before_the_kill(tmp_path, form):
     assert state == "CANCELLED", out[-4000:]
     checkpoint = load(tmp_path / "last.pt")
     assert checkpoint["epoch"] == 0 and checkpoint["step"] >= 2, out[-4000:]
+    assert f"stopped by SIGTERM at epoch 1 step {checkpoint['step']}/256" in out, out[-4000:]
 
 
 def test_sigterm_while_importing_torch_stops_at_the_first_step(tmp_path):
