@@ -13,6 +13,21 @@
 # train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
 set -euo pipefail
 
+# SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
+# exit 0, and torchrun with them. torchrun ignores it (SLURM signals every process of the job
+# step), since it would stop the workers too, but exit 1 with a traceback (a torchrun without
+# --signals-to-handle, torch 2.1 for one, still takes it).
+# Trapped from the start, it is repeated each second until torchrun ends: workers it has yet to
+# start get it too (they ignore all but the first).
+stopping=0 torchrun_pid=
+forward() {
+    while [[ -n $torchrun_pid ]] && kill -0 "$torchrun_pid" 2>/dev/null; do
+        pkill -TERM -P "$torchrun_pid" || true
+        sleep 1
+    done
+}
+trap 'stopping=1; forward' TERM
+
 usage="usage: bash launch.sh N [train_ddp.py args...], N = processes on this machine"
 n=${1:-}
 if [[ ! $n =~ ^[1-9][0-9]*$ ]]; then
@@ -38,13 +53,8 @@ else
     # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
     rendezvous=(--standalone)
 fi
-# SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
-# exit 0, and torchrun with them. torchrun would forward it too, but then exit 1 with a traceback.
-# Only while torchrun has no workers (starting, or between restarts) does it get the signal itself.
-stopping=0 torchrun_pid=
-forward() { [[ -n $torchrun_pid ]] && { pkill -TERM -P "$torchrun_pid" || kill -TERM "$torchrun_pid"; } || true; }
-trap 'stopping=1; forward' TERM
-torchrun "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@" &
+(trap '' TERM; PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec torchrun "${rendezvous[@]}" --nproc-per-node "$n" \
+    --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@") &
 torchrun_pid=$!
 if (( stopping )); then forward; fi  # a signal that came before torchrun had a pid
 status=0

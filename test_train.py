@@ -289,19 +289,6 @@ def test_legacy_launcher_passes_local_rank(tmp_path):
     assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 50
 
 
-def test_slurm_variables_without_torchrun(tmp_path):
-    # What srun gives each task: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; MASTER_* from the batch script.
-    port = free_port()
-    procs = [start([sys.executable, TRAIN, *TINY, "--epochs", "1", "--checkpoint-dir", str(tmp_path),
-                    "--metrics-file", str(tmp_path / "m.jsonl")],
-                   env=clean_env(SLURM_PROCID=r, SLURM_LOCALID=r, SLURM_NTASKS=2, MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=port)) for r in range(2)]
-    began = time.monotonic()
-    results = [ok(finish(p, RUN_TIMEOUT, began)) for p in procs]
-    assert "2 x cpu (gloo)" in results[0].stdout and results[1].stdout == ""
-    assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 2
-
-
 def test_two_nodes_on_loopback(tmp_path):
     port = free_port()
     nodes = [start(["bash", LAUNCH, "1", *TINY, "--epochs", "1", "--checkpoint-dir", str(tmp_path / f"node{r}"),

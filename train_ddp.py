@@ -8,6 +8,15 @@ Without --data it trains on a synthetic dataset generated in memory, so it runs 
 The steps follow the order of a DDP tutorial: arguments, device, process group, data,
 model, training with exact validation, checkpoints, clean-up. README.md explains every flag.
 """
+import signal
+
+if __name__ == "__main__":
+    # SLURM and Kubernetes may send SIGTERM in the seconds the imports below take. Blocked, it
+    # waits for main(), which stops training cleanly at the first step, instead of killing the
+    # process. Its action is the default, not the ignore that launch.sh's torchrun passes on.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
 import argparse
 import datetime
 import difflib
@@ -16,7 +25,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -282,10 +290,14 @@ def setup_device(args):
 
 # ---------------------------------------------------------------- 3. process group
 def world_from_env():
-    """Global rank and world size: torchrun's variables, else SLURM's (srun), else one process."""
+    """Global rank and world size: torchrun's variables, else those of an srun task, else one process.
+
+    A batch script sees SLURM_NTASKS and SLURM_PROCID=0 too, but they count the job's tasks and
+    the script runs once; only srun's tasks have SLURM_STEP_ID.
+    """
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if "SLURM_NTASKS" in os.environ:
+    if "SLURM_STEP_ID" in os.environ:
         return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     return 0, 1
 
@@ -560,7 +572,13 @@ class SigtermStop:
 
     def __init__(self):
         self.requested = threading.Event()
-        signal.signal(signal.SIGTERM, lambda signum, frame: self.requested.set())
+        signal.signal(signal.SIGTERM, self.note)
+
+    def note(self, signum, frame):
+        self.requested.set()
+        # One is enough. Ignored, the next ones (SLURM and launch.sh may send several) cannot
+        # kill the process as it exits, when Python has put back the default action.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def agreed(self):
         return any(gather_utils.all_gather_object(self.requested.is_set()))
@@ -811,8 +829,9 @@ def main(argv=None):
     if args.dry_run:
         return
     # Noted from here on, so that a SIGTERM while the group, data and model are set up still
-    # stops training cleanly, at its first step.
+    # stops training cleanly, at its first step; so does one held since start-up (top of file).
     stop = None if args.evaluate else SigtermStop()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)
     init_distributed(args, device)
     try:
