@@ -53,8 +53,9 @@ else
     # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
     rendezvous=(--standalone)
 fi
-(trap '' TERM; PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec torchrun "${rendezvous[@]}" --nproc-per-node "$n" \
-    --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@") &
+# torchrun as `python3 -m`: the python3 of the dry run, whatever torchrun comes first on PATH.
+(trap '' TERM; PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec python3 -m torch.distributed.run \
+    "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@") &
 torchrun_pid=$!
 if (( stopping )); then forward; fi  # a signal that came before torchrun had a pid
 status=0

@@ -206,7 +206,7 @@ def test_sigterm_to_launcher_before_the_workers_start_stops_the_job(tmp_path):
     # torchrun has no workers yet, and ignores SIGTERM: launch.sh must pass it on to the workers
     # once they start, and may not exit and leave a job behind that nothing will stop.
     job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
-    wait_for(lambda: any(b"torchrun" in proc_file(pid, "cmdline") for pid in descendants(job.pid)), job,
+    wait_for(lambda: any(b"torch.distributed.run" in proc_file(pid, "cmdline") for pid in descendants(job.pid)), job,
              "torchrun", interval=0.005)
     os.kill(job.pid, signal.SIGTERM)
     wait_exit(job, 60)
