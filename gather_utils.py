@@ -15,6 +15,7 @@ Every public function
   collective in all (past 8 ranks the room per rank shrinks, to stay at 64 KiB in all).
 
 Tensors move as raw bytes, so every dtype works (bool, complex, 8/16-bit floats, ...).
+`all_gather_concat` and `all_gather_tensors` are differentiable when their input requires grad.
 """
 
 import bisect
@@ -116,30 +117,40 @@ def all_gather_concat(tensor, group=None, async_op=False):
     returns the result, so you can overlap compute with the transfer. Leave the input
     unchanged until then.
 
+    Gradients: when `tensor` requires grad (and grad mode is on), the result is differentiable,
+    also through `wait()`. Its backward gives each rank's `tensor` the sum over ranks of the
+    gradient of that rank's rows, by one all-reduce of the result's whole gradient. Every rank
+    must then run the backward through the same graph, or the others wait in that all-reduce.
+    Under DDP, which averages gradients over ranks, a loss computed on every rank from the
+    result thus gives the gradient of the mean over ranks of that loss. Inputs that do not
+    require grad take the same path as before and return a result without grad.
+
     Raises on every rank: TypeError on a rank that passed a non-tensor (ValueError naming that
-    rank on the others), ValueError when dtypes or sizes after dim 0 differ between ranks.
+    rank on the others), ValueError when dtypes or sizes after dim 0 differ between ranks, or
+    when the input requires grad on some ranks only.
     """
     name = "all_gather_concat"
     device = _setup(name, group, tensor)
     if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 and tensor.layout == torch.strided:
         tensor = tensor.reshape(1)
     payload, error = _local_payload(name, tensor, device)
-    rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
+    grad = _wants_grad(tensor)
+    rows, inline = _exchange_headers(name, tensor, error, group, device, extra=grad, payload=payload)
     shapes = _shapes(rows)
     if len({(row[_DTYPE], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
         raise ValueError(
             f"{name}: every rank needs the same dtype and sizes after dim 0; got {_describe(rows)}"
         )
+    _check_grad_agrees(name, rows)
     row_shape = shapes[0][1:]
     counts = [shape[0] for shape in shapes]
     row_bytes = math.prod(row_shape) * tensor.element_size()
-    handle = _gather_bytes(
-        payload,
-        [n * row_bytes for n in counts],
-        group,
-        inline,
-        then=lambda packed: packed.view(tensor.dtype).view(sum(counts), *row_shape).to(tensor.device),
-    )
+
+    def then(packed):
+        out = packed.view(tensor.dtype).view(sum(counts), *row_shape).to(tensor.device)
+        return _with_grad(tensor, out, counts, group, device) if grad else out
+
+    handle = _gather_bytes(payload, [n * row_bytes for n in counts], group, inline, then=then)
     return handle if async_op else handle.wait()
 
 
@@ -152,16 +163,28 @@ def all_gather_tensors(tensor, group=None):
 
     Collectives: a header all-gather, then the data as in `all_gather_concat`.
 
+    Gradients: as in `all_gather_concat`: when `tensor` requires grad, the tensors are
+    differentiable, and the backward (one all-reduce, on every rank) gives each rank's `tensor`
+    the sum over ranks of the gradient of that rank's tensor in the list.
+
     Raises on every rank: TypeError on a rank that passed a non-tensor (ValueError naming that
-    rank on the others), ValueError when the dtypes differ.
+    rank on the others), ValueError when the dtypes differ, or when the input requires grad on
+    some ranks only.
     """
     name = "all_gather_tensors"
     device = _setup(name, group, tensor)
     payload, error = _local_payload(name, tensor, device)
-    rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
+    grad = _wants_grad(tensor)
+    rows, inline = _exchange_headers(name, tensor, error, group, device, extra=grad, payload=payload)
     if len({row[_DTYPE] for row in rows}) > 1:
         raise ValueError(f"{name}: every rank needs the same dtype; got {_describe(rows)}")
+    _check_grad_agrees(name, rows)
     shapes = _shapes(rows)
+    if grad:  # one flat tensor of every rank's elements, so that the backward runs once
+        numels = [math.prod(shape) for shape in shapes]
+        packed = _gather_bytes(payload, [n * tensor.element_size() for n in numels], group, inline).wait()
+        flat = _with_grad(tensor.reshape(-1), packed.view(tensor.dtype).to(tensor.device), numels, group, device)
+        return [chunk.view(shape) for chunk, shape in zip(flat.split(numels), shapes)]
     sizes = [math.prod(shape) * tensor.element_size() for shape in shapes]
     chunks = _gather_bytes(payload, sizes, group, inline).wait().to(tensor.device).split(sizes)
     return [chunk.view(tensor.dtype).view(shape) for chunk, shape in zip(chunks, shapes)]
@@ -460,6 +483,46 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
             if part.numel()
         ]
     return GatherHandle(works, lambda: then(out))
+
+
+def _wants_grad(tensor):
+    """Whether the gather must be differentiable: the header carries it, so every rank agrees."""
+    return int(isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled())
+
+
+def _check_grad_agrees(name, rows):
+    if len({row[_EXTRA] for row in rows}) > 1:
+        ranks = "; ".join(f"rank {r}: {'yes' if row[_EXTRA] else 'no'}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"{name}: the input must require grad on every rank or on none, as the backward is a "
+            f"collective; requires grad: {ranks}"
+        )
+
+
+def _with_grad(tensor, gathered, counts, group, device):
+    """`gathered` (every rank's rows of `tensor`, `counts[r]` from rank r), differentiable."""
+    start = sum(counts[: get_rank(group)])
+    return _GatherBackward.apply(tensor, gathered, group, device, start)
+
+
+class _GatherBackward(torch.autograd.Function):
+    """The gather's adjoint: each rank's rows get the sum over ranks of their gradient.
+
+    One all-reduce of the whole gradient, then this rank's rows: unlike a reduce-scatter, it
+    takes any row counts, on gloo too.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, gathered, group, device, start):
+        ctx.group, ctx.device, ctx.rows = group, device, slice(start, start + len(tensor))
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.to(device=ctx.device, memory_format=torch.contiguous_format, copy=True)
+        if _initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return total[ctx.rows].to(grad.device), None, None, None, None
 
 
 class _CpuPickler(pickle.Pickler):

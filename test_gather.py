@@ -11,6 +11,7 @@ one), and run the GPU variants when CUDA is present.
 """
 
 import argparse
+import copy
 import datetime
 import functools
 import os
@@ -22,6 +23,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 import gather_utils as gu
@@ -113,6 +116,112 @@ def check_all_gather_concat_async(device, group=None):
     assert torch.equal(out, expected_concat(world, device))
     assert handle.wait() is out
     assert overlapped[0, 0].item() == 64
+
+
+def rank_loss(gathered, r):
+    """A loss that rank r computes from gathered rows: it weighs each element its own way."""
+    weights = torch.arange(gathered.numel(), device=gathered.device).view_as(gathered) % (r + 2)
+    return (weights * gathered**2).sum() + r * gathered.sum()
+
+
+def check_all_gather_concat_gradient(device, group=None):
+    """Each rank's input gets the gradient of the sum of every rank's loss, as one process
+    computing all of them on the concatenated rows would give it (uneven rows, 0 included)."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    everyone = expected_concat(world, device, torch.float64).requires_grad_()
+    (want,) = torch.autograd.grad(sum(rank_loss(everyone, r) for r in range(world)), everyone)
+    start = sum(len(rows_for(r, device)) for r in range(rank))
+    want = want[start : start + len(rows_for(rank, device))]
+    for async_op in (False, True):
+        local = rows_for(rank, device, torch.float64).requires_grad_()
+        out = gu.all_gather_concat(local, group, async_op=async_op)
+        out = out.wait() if async_op else out
+        assert torch.equal(out.detach(), everyone.detach())
+        (grad,) = torch.autograd.grad(rank_loss(out, rank), local)
+        assert torch.allclose(grad, want), (grad, want)
+    local = torch.tensor(float(rank), device=device, requires_grad=True)  # 0-d: one row
+    (grad,) = torch.autograd.grad(gu.all_gather_concat(local, group)[0], local)  # every rank's loss: row 0
+    assert grad.item() == (world if rank == 0 else 0)
+
+
+def check_all_gather_tensors_gradient(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+
+    def tensor_for(r):  # a different shape on each rank, rank 1's empty
+        values = torch.arange(0 if r == 1 else r + 1, dtype=torch.float64, device=device) + r
+        return values.view(-1, 1) if r % 2 == 0 else values
+
+    def loss(tensors, r):
+        return sum(rank_loss(t, r + q) for q, t in enumerate(tensors))
+
+    everyone = [tensor_for(r).requires_grad_() for r in range(world)]
+    want = torch.autograd.grad(sum(loss(everyone, r) for r in range(world)), everyone)[rank]
+    local = tensor_for(rank).requires_grad_()
+    out = gu.all_gather_tensors(local, group)
+    assert all(torch.equal(t.detach(), tensor_for(r)) for r, t in enumerate(out))
+    (grad,) = torch.autograd.grad(loss(out, rank), local)
+    assert torch.allclose(grad, want), (grad, want)
+
+
+def check_no_grad_path_unchanged(device, group=None):
+    """Inputs that do not require grad, or gathers under no_grad, give results without grad."""
+    rank = gu.get_rank(group)
+    plain = rows_for(rank, device)
+    live = plain.clone().requires_grad_()
+    outputs = [gu.all_gather_concat(plain, group), *gu.all_gather_tensors(plain, group)]
+    with torch.no_grad():
+        outputs += [gu.all_gather_concat(live, group), *gu.all_gather_tensors(live, group)]
+    assert all(not t.requires_grad and t.grad_fn is None for t in outputs)
+
+
+def contrastive_loss(model, x1, x2, gather, offset):
+    """InfoNCE summed over this rank's rows: view 1 of each row against view 2 of every row."""
+    z1, z2 = F.normalize(model(x1), dim=1), F.normalize(model(x2), dim=1)
+    logits = z1 @ gather(z2).T / 0.1
+    labels = torch.arange(len(z1), device=z1.device) + offset
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def check_contrastive_loss_under_ddp(device, group=None):
+    """DDP with a global-batch contrastive loss through all_gather_concat, uneven rows per rank:
+    after 3 SGD steps, the same weights as one process training on the whole batch."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    counts = [2 + r % 2 for r in range(world)]
+    total, start = sum(counts), sum(counts[:rank])
+    generator = torch.Generator().manual_seed(0)
+    x1 = torch.randn(total, 5, generator=generator, dtype=torch.float64).to(device)
+    x2 = x1 + 0.3 * torch.randn(total, 5, generator=generator, dtype=torch.float64).to(device)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(5, 4).double().to(device)
+    initial = copy.deepcopy(reference)
+    model = DDP(
+        copy.deepcopy(reference),
+        process_group=group,
+        device_ids=[device] if device.type == "cuda" else None,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    mine = slice(start, start + counts[rank])
+    for _ in range(3):
+        optimizer.zero_grad()
+        # DDP averages the ranks' gradients: scaled so, the average is that of the global mean.
+        loss = contrastive_loss(model, x1[mine], x2[mine], lambda z: gu.all_gather_concat(z, group), start)
+        (loss * world / total).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        (contrastive_loss(reference, x1, x2, lambda z: z, 0) / total).backward()
+        ref_optimizer.step()
+    for trained, want, before in zip(model.module.parameters(), reference.parameters(), initial.parameters()):
+        assert not torch.allclose(want, before)
+        assert torch.allclose(trained, want, rtol=0, atol=1e-12), (trained, want)
+
+
+def check_bad_input_requires_grad_on_one_rank(device, group=None):
+    rank = gu.get_rank(group)
+    local = torch.zeros(2, device=device, requires_grad=rank == 1)
+    for fn in (gu.all_gather_concat, gu.all_gather_tensors):
+        expect_error(ValueError, lambda: fn(local, group), "on every rank or on none", "rank 1: yes", "rank 0: no")
+    check_group_still_works(device, group)
 
 
 def check_all_gather_tensors_any_shape(device, group=None):
@@ -401,6 +510,8 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     assert n == 1 and torch.equal(out, torch.cat([floats(room // 4, r) for r in range(world)]))
     out, n = collectives_run(group, gu.all_gather_tensors, floats(room // 4 - rank, rank))
     assert n == 1 and all(torch.equal(t, floats(room // 4 - r, r)) for r, t in enumerate(out))
+    out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4, rank).requires_grad_())
+    assert n == 1 and out.requires_grad  # a differentiable gather costs no more collectives
     out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4 + 1, rank))
     assert n == 1 + data_collectives
     assert torch.equal(out, torch.cat([floats(room // 4 + 1, r) for r in range(world)]))
@@ -481,6 +592,9 @@ CHECKS = [
     check_gather_for_metrics_keeps_first_duplicate,
     check_gather_for_metrics_zero_width_rows,
     check_all_gather_concat_lazy_views,
+    check_all_gather_concat_gradient,
+    check_all_gather_tensors_gradient,
+    check_no_grad_path_unchanged,
 ]
 # These need at least two ranks to disagree.
 MULTI_RANK_CHECKS = [
@@ -491,6 +605,7 @@ MULTI_RANK_CHECKS = [
     check_bad_input_unreadable_tensor_on_one_rank,
     check_bad_input_dict_keys_differ,
     check_bad_input_gather_for_metrics,
+    check_bad_input_requires_grad_on_one_rank,
 ]
 # These need an initialized process group.
 DISTRIBUTED_CHECKS = [
@@ -498,6 +613,7 @@ DISTRIBUTED_CHECKS = [
     check_default_group,
     check_small_payloads_ride_in_the_header,
     check_past_the_gloo_broadcast_limit,
+    check_contrastive_loss_under_ddp,
 ]
 
 
