@@ -225,8 +225,9 @@ def all_reduce_mean(value, group=None):
     - A tensor: every rank gets a new tensor of the same shape on the same device. Floating and
       complex inputs keep their dtype (floats under 32 bits are summed in float32, complex32 in
       complex64); integer and bool inputs give float64.
-    - A dict of str -> real number or 0-d tensor: every rank gets a dict of Python floats with the
-      same keys, summed in float64 so counts and sums stay exact. Key order may differ by rank.
+    - A dict of str -> real number or one-element tensor (any shape, e.g. 0-d or (1,)): every
+      rank gets a dict of Python floats with the same keys, summed in float64 so counts and sums
+      stay exact. Key order may differ by rank.
 
     Collectives: 1 when the values, in the dtype they are summed in, fit in the header (8 KiB
     per rank, less past 8 ranks): every rank then sums the gathered values itself, in rank
@@ -602,15 +603,19 @@ def _dict_values(name, value, device):
         if not all(isinstance(k, str) for k in value):
             raise TypeError("keys must be str")
         keys = sorted(value)
-        numbers = torch.tensor([_number(value[k]) for k in keys], dtype=torch.float64, device=device)
+        numbers = torch.tensor([_number(k, value[k]) for k in keys], dtype=torch.float64, device=device)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        return [], None, TypeError(f"{name}: expected a dict of str -> real number or 0-d tensor ({exc})")
+        return [], None, TypeError(
+            f"{name}: expected a dict of str -> real number or one-element tensor ({exc})"
+        )
     return keys, numbers, None
 
 
-def _number(v):
-    if isinstance(v, torch.Tensor) and v.dim() == 0:
-        v = v.item()
+def _number(key, v):
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise TypeError(f"key {key!r} holds a tensor of shape {list(v.shape)}, not one element")
+        v = v.item()  # a 0-d tensor, or one of shape (1,), (1, 1), ... as detectron2's reduce_dict passes
     if isinstance(v, (bool, int, float)):
         return v
     raise TypeError(f"got a {type(v).__name__} value")

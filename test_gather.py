@@ -290,13 +290,21 @@ def check_all_reduce_mean_tensor(device, group=None):
 def check_all_reduce_mean_dict(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     # Keys in a different order on each rank; a count that float32 could not hold exactly.
-    items = [("count", 2**40 + rank), ("loss", torch.tensor(float(rank), device=device)), ("flag", True)]
-    local = dict(items[rank % 3 :] + items[: rank % 3])
+    # One-element tensors of any shape count as numbers, as detectron2's reduce_dict passes them.
+    items = [
+        ("count", 2**40 + rank),
+        ("loss", torch.tensor(float(rank), device=device)),
+        ("flag", True),
+        ("acc", torch.tensor([[rank]], dtype=torch.int32, device=device)),
+        ("lr", torch.tensor([0.5], device=device)),
+    ]
+    local = dict(items[rank % 5 :] + items[: rank % 5])
     out = gu.all_reduce_mean(local, group)
     assert list(out) == list(local)
     assert all(isinstance(v, float) for v in out.values())
     assert out["count"] == (world * 2**40 + sum(range(world))) / world
-    assert out["loss"] == sum(range(world)) / world and out["flag"] == 1.0
+    assert out["loss"] == out["acc"] == sum(range(world)) / world
+    assert out["flag"] == 1.0 and out["lr"] == 0.5
     assert gu.all_reduce_mean({}, group) == {}
 
 
@@ -419,7 +427,14 @@ def check_bad_input_dict_keys_differ(device, group=None):
     expect_error(
         ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']"
     )
-    for bad, words in [("high", "got a str value"), (1j, "got a complex value"), (10**400, "too large")]:
+    for bad, words in [
+        ("high", "got a str value"),
+        (1j, "got a complex value"),
+        (10**400, "too large"),
+        (torch.tensor([1.0, 2.0], device=device), "key 'loss' holds a tensor of shape [2], not one element"),
+        (torch.zeros(0, device=device), "shape [0]"),
+        (torch.tensor([1j], device=device), "got a complex value"),
+    ]:
         not_a_number = {"loss": bad} if rank == 1 else {"loss": 1.0}
         expect_rank_1_error(group, TypeError, lambda: gu.all_reduce_mean(not_a_number, group), words)
     check_group_still_works(device, group)
@@ -751,6 +766,7 @@ def test_world_of_one_bad_input():
         expect_error(TypeError, lambda: fn([1, 2]), "expected a torch.Tensor", "got list")
     expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0), "could not pickle")
     expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}), "got a str value")
+    expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": torch.ones(1, 2)}), "shape [1, 2], not one element")
     results, indices = torch.zeros(2, 1), torch.tensor([0, 1])
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 3), "held by no rank", "[2]")
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 1), "holds index 1")
