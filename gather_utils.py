@@ -81,8 +81,20 @@ def get_world_size(group=None):
 class GatherHandle:
     """What `all_gather_concat(..., async_op=True)` returns while the data is in flight.
 
-    `wait()` blocks until the transfer is done and returns the gathered tensor (the same
-    tensor on every later call). `is_completed()` asks without blocking.
+    `wait()` returns the gathered tensor (the same tensor on every later call). What holds
+    when it returns depends on where the result lives:
+    - on the CPU: every byte has arrived; `wait()` blocked the host until then;
+    - on a GPU: on NCCL, `wait()` does not block the host. It makes the current CUDA stream wait
+      for the transfer and queues on that stream any copy into the result (with gloo, the bytes
+      arrive on the CPU and their copy to the GPU is queued on it too). So work queued later on
+      the current stream sees the complete result, and so does reading it on the host
+      (`.item()`, `.tolist()`, `.cpu()`), which waits for that stream. On another stream, make
+      it wait first: `stream.wait_stream(torch.cuda.current_stream())`.
+
+    `is_completed()` never blocks. True means the collectives have finished (on NCCL, on the
+    GPU), so `wait()` will not wait for the network; it does not cover the copy into the
+    result, which on a GPU may still be running, and a payload that came with the header is
+    True at once. Take the result only from `wait()`.
     """
 
     def __init__(self, works, finish):
@@ -194,7 +206,8 @@ def all_gather_object(obj, group=None):
     """Gather any picklable object from every rank.
 
     Every rank gets the same list of `world_size` objects in rank order. Tensors inside the
-    objects arrive on the CPU, so nothing lands on another rank's GPU.
+    objects arrive on the CPU, so nothing lands on another rank's GPU; a `torch.nn.Parameter`
+    stays one, with its `requires_grad`, wherever it was.
 
     Collectives: a header all-gather, then the data as in `all_gather_concat`, on the CPU
     whenever possible, so that it needs no `torch.cuda.set_device`: on a group with a CPU
@@ -530,7 +543,9 @@ class _CpuPickler(pickle.Pickler):
     """Pickles every tensor as a CPU tensor, so no rank unpickles onto another rank's GPU."""
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        # A Parameter pickles as its `.data`, a plain tensor that then comes here: moving that
+        # one keeps a GPU Parameter a Parameter, as a CPU one stays (`.cpu()` would drop it).
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter) and obj.device.type != "cpu":
             return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return NotImplemented
 

@@ -245,11 +245,15 @@ def check_all_gather_object(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
 
     def obj_for(r):
-        return None if r == 1 else {"rank": r, "name": "x" * r, "t": torch.full((r,), float(r))}
+        if r == 1:
+            return None
+        weight = torch.nn.Parameter(torch.full((2,), float(r)), requires_grad=r % 2 == 0)
+        return {"rank": r, "name": "x" * r, "t": torch.full((r,), float(r)), "p": weight}
 
     local = obj_for(rank)
     if local is not None:
         local["t"] = local["t"].to(device)
+        local["p"] = torch.nn.Parameter(local["p"].to(device), local["p"].requires_grad)
     out = gu.all_gather_object(local, group)
     assert len(out) == world
     for r in range(world):
@@ -258,8 +262,11 @@ def check_all_gather_object(device, group=None):
             assert out[r] is None
             continue
         assert out[r]["rank"] == r and out[r]["name"] == want["name"]
-        assert out[r]["t"].device.type == "cpu"  # never another rank's GPU
+        assert out[r]["t"].device.type == out[r]["p"].device.type == "cpu"  # never another rank's GPU
         assert torch.equal(out[r]["t"], want["t"])
+        # A Parameter stays one, from a GPU too, with its requires_grad.
+        assert type(out[r]["p"]) is torch.nn.Parameter and out[r]["p"].requires_grad == (r % 2 == 0)
+        assert torch.equal(out[r]["p"].detach(), want["p"].detach())
 
 
 def check_all_reduce_mean_tensor(device, group=None):
