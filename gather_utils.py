@@ -18,6 +18,7 @@ Tensors move as raw bytes, so every dtype works (bool, complex, 8/16-bit floats,
 `all_gather_concat` and `all_gather_tensors` are differentiable when their input requires grad.
 """
 
+import array
 import bisect
 import functools
 import hashlib
@@ -395,8 +396,12 @@ def _input_error(name, tensor, expected):
 
 def _as_bytes(tensor, device):
     """The tensor's data as a flat uint8 tensor on `device`, without copying when it can."""
-    dense = tensor.detach().resolve_conj().resolve_neg()  # lazy conj/neg views have no plain bytes
-    return dense.to(device).contiguous().view(-1).view(torch.uint8)
+    dense = tensor.detach()
+    if dense.is_conj() or dense.is_neg():  # lazy conj/neg views have no plain bytes
+        dense = dense.resolve_conj().resolve_neg()
+    if dense.device != device:
+        dense = dense.to(device)
+    return dense.contiguous().view(-1).view(torch.uint8)
 
 
 def _header_room(world):
@@ -419,16 +424,19 @@ def _exchange_headers(name, spec, error, group, device, extra=0, payload=None):
         header += [0] * (_HEADER_LEN - len(header))
     rows, inline = [header], None
     if _initialized():
-        world = get_world_size(group)
+        world = dist.get_world_size(group)
         room = _header_room(world)
-        local = torch.zeros(_HEADER_BYTES + room, dtype=torch.uint8, device=device)
-        local[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-        if payload is not None and payload.numel() <= room:
-            local[_HEADER_BYTES : _HEADER_BYTES + payload.numel()] = payload
-        gathered = torch.empty(world, local.numel(), dtype=torch.uint8, device=device)
-        _all_gather_equal(gathered.view(-1), local, group).wait()
-        rows = gathered[:, :_HEADER_BYTES].view(torch.int64).tolist()
-        inline = gathered[:, _HEADER_BYTES:]
+        # A tiny call costs as much in tensor operations as in the collective (bench_gather.py),
+        # hence few of them: the header's bytes straight from the ints, then one cat for the row.
+        head = torch.frombuffer(array.array("q", header), dtype=torch.uint8).to(device)
+        data = payload if payload is not None and payload.numel() <= room else head[:0]
+        padding = torch.zeros(room - data.numel(), dtype=torch.uint8, device=device)
+        local = torch.cat([head, data, padding])
+        gathered = torch.empty(world * local.numel(), dtype=torch.uint8, device=device)
+        _all_gather_equal(gathered, local, group).wait()
+        gathered = gathered.view(world, local.numel())
+        rows = gathered.narrow(1, 0, _HEADER_BYTES).view(torch.int64).tolist()
+        inline = gathered.narrow(1, _HEADER_BYTES, room)
     if error is not None:
         raise error
     bad = [rank for rank, row in enumerate(rows) if row[_ERROR]]
@@ -471,13 +479,16 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
     GatherHandle whose `wait()` gives `then(packed)`, where `packed` holds all ranks' bytes
     concatenated in rank order.
     """
-    if not _initialized():
+    if inline is None:  # no process group
         return GatherHandle([], lambda: then(local.clone()))
     largest = max(sizes)
-    out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
     if largest <= inline.shape[1]:  # every rank's data came with the header
-        torch.cat([inline[r, :n] for r, n in enumerate(sizes)], out=out)
-        return GatherHandle([], lambda: then(out))
+        if largest == min(sizes):  # one copy, not one slice per rank
+            packed = inline.narrow(1, 0, largest).reshape(-1)
+        else:
+            packed = torch.cat([inline[r, :n] for r, n in enumerate(sizes)])
+        return GatherHandle([], lambda: then(packed))
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
     backend = _device_backends(group).get(local.device.type)
     few_gloo_ranks = backend == "gloo" and len(sizes) <= _GLOO_BROADCAST_MAX_WORLD
     if largest == min(sizes) and not few_gloo_ranks:
@@ -564,11 +575,21 @@ def _device_backends(group):
     NCCL alone on one with them).
     """
     config = str(dist.get_backend_config(group)) if hasattr(dist, "get_backend_config") else ""
+    backends = _parse_backend_config(config)
+    if backends is not None:
+        return backends
+    backend = dist.get_backend(group)  # older torch, or a config without device names
+    return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_backend_config(config):
+    """{device type: backend} from e.g. "cpu:gloo,cuda:nccl"; None without device names.
+    Cached: every call of every function reads it, and parsing cost more than the lookup."""
     pairs = [pair.partition(":") for pair in config.split(",")]
     if all(separator for _, separator, _ in pairs):
         return {device: backend for device, _, backend in pairs}
-    backend = dist.get_backend(group)  # older torch, or a config without device names
-    return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
+    return None
 
 
 def _object_route(group, device):
