@@ -358,7 +358,7 @@ def _setup(name, group, tensor=None):
     """
     if not _initialized():
         return torch.device("cpu")
-    if dist.get_rank(group) < 0:
+    if group is not None and dist.get_rank(group) < 0:  # every rank is in the default group
         raise ValueError(f"{name}: this rank is not a member of the given group")
     if "cpu" in _device_backends(group):
         return torch.device("cpu")
@@ -396,7 +396,7 @@ def _input_error(name, tensor, expected):
 
 def _as_bytes(tensor, device):
     """The tensor's data as a flat uint8 tensor on `device`, without copying when it can."""
-    dense = tensor.detach()
+    dense = tensor.detach() if tensor.requires_grad else tensor
     if dense.is_conj() or dense.is_neg():  # lazy conj/neg views have no plain bytes
         dense = dense.resolve_conj().resolve_neg()
     if dense.device != device:
@@ -426,8 +426,8 @@ def _exchange_headers(name, spec, error, group, device, extra=0, payload=None):
     if _initialized():
         world = dist.get_world_size(group)
         room = _header_room(world)
-        # A tiny call costs as much in tensor operations as in the collective (bench_gather.py),
-        # hence few of them: the header's bytes straight from the ints, then one cat for the row.
+        # A tiny call's tensor operations cost about as much as its collective (bench_gather.py
+        # --only tiny), hence few: the header's bytes straight from the ints, one cat for the row.
         head = torch.frombuffer(array.array("q", header), dtype=torch.uint8).to(device)
         data = payload if payload is not None and payload.numel() <= room else head[:0]
         padding = torch.zeros(room - data.numel(), dtype=torch.uint8, device=device)
