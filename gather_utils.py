@@ -540,9 +540,12 @@ class _GatherBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, gathered, group, device, start):
         ctx.group, ctx.device, ctx.rows = group, device, slice(start, start + len(tensor))
-        return gathered
+        # detach(): the same memory, but not a view of an input, which autograd would forbid
+        # to modify in place.
+        return gathered.detach()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         total = grad.to(device=ctx.device, memory_format=torch.contiguous_format, copy=True)
         if _initialized():

@@ -139,6 +139,10 @@ def check_all_gather_concat_gradient(device, group=None):
         assert torch.equal(out.detach(), everyone.detach())
         (grad,) = torch.autograd.grad(rank_loss(out, rank), local)
         assert torch.allclose(grad, want), (grad, want)
+    local = rows_for(rank, device, torch.float64).requires_grad_()
+    out = gu.all_gather_concat(local, group).mul_(2)  # in place, as any result allows
+    (grad,) = torch.autograd.grad(rank_loss(out / 2, rank), local)
+    assert torch.allclose(grad, want), (grad, want)
     local = torch.tensor(float(rank), device=device, requires_grad=True)  # 0-d: one row
     (grad,) = torch.autograd.grad(gu.all_gather_concat(local, group)[0], local)  # every rank's loss: row 0
     assert grad.item() == (world if rank == 0 else 0)
