@@ -1,6 +1,6 @@
 """Benchmark gather_utils against the floor, torch's all_gather_object and the seed article's helper.
 
-    torchrun --nproc_per_node 4 bench_gather.py [--mib 4] [--repeats 60]
+    torchrun --nproc_per_node 4 bench_gather.py [--mib 4] [--repeats 60] [--only tiny]
 
 Every method runs in the same process group, interleaved round by round, so machine noise hits
 them alike. Each round's time is the slowest rank's; the table shows medians over rounds, and
@@ -15,7 +15,8 @@ each method's ratio to the floor:
 
 Then three tables behind gather_utils' choices: the seed article's speed tips, what an
 all-gather costs by size (how much data rides in the header), and one all-gather against one
-broadcast per rank on gloo, for equal and for skewed sizes.
+broadcast per rank on gloo, for equal and for skewed sizes. `--only PAYLOAD` measures that row
+of the first table alone, e.g. many rounds of the tiny calls.
 """
 
 import argparse
@@ -232,12 +233,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=4, help="MiB per rank on average")
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument(
+        "--only", choices=["equal", "uneven", "skewed", "tiny"], help="this row of the first table, no other table"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     rows = []
     for kind, counts in payloads(world, args.mib).items():
-        rows.append((kind, counts, bench(counts, args.repeats)))
+        if args.only in (None, kind):
+            rows.append((kind, counts, bench(counts, args.repeats)))
     if dist.get_rank() == 0:
         names = list(rows[0][2])
         print(f"gloo, {world} ranks, torch {torch.__version__}, median ms of {args.repeats} rounds (x floor)")
@@ -246,6 +251,9 @@ def main():
         for kind, counts, medians in rows:
             cells = [f"{medians[n]:.2f} ({medians[n] / medians['floor']:.2f}x)" for n in names]
             print(f"| {kind} | {counts} | " + " | ".join(cells) + " |")
+    if args.only:
+        dist.destroy_process_group()
+        return
     tips = bench_seed_tips(payloads(world, args.mib)["equal"], args.repeats)
     if dist.get_rank() == 0:
         print(f"\ngloo, {world} ranks, equal payloads: the seed's speed tips, median ms")

@@ -15,8 +15,10 @@ Every public function
   collective in all (past 8 ranks the room per rank shrinks, to stay at 64 KiB in all).
 
 Tensors move as raw bytes, so every dtype works (bool, complex, 8/16-bit floats, ...).
+`all_gather_concat` and `all_gather_tensors` are differentiable when their input requires grad.
 """
 
+import array
 import bisect
 import functools
 import hashlib
@@ -80,8 +82,20 @@ def get_world_size(group=None):
 class GatherHandle:
     """What `all_gather_concat(..., async_op=True)` returns while the data is in flight.
 
-    `wait()` blocks until the transfer is done and returns the gathered tensor (the same
-    tensor on every later call). `is_completed()` asks without blocking.
+    `wait()` returns the gathered tensor (the same tensor on every later call). What holds
+    when it returns depends on where the result lives:
+    - on the CPU: every byte has arrived; `wait()` blocked the host until then;
+    - on a GPU: on NCCL, `wait()` does not block the host. It makes the current CUDA stream wait
+      for the transfer and queues on that stream any copy into the result (with gloo, the bytes
+      arrive on the CPU and their copy to the GPU is queued on it too). So work queued later on
+      the current stream sees the complete result, and so does reading it on the host
+      (`.item()`, `.tolist()`, `.cpu()`), which waits for that stream. On another stream, make
+      it wait first: `stream.wait_stream(torch.cuda.current_stream())`.
+
+    `is_completed()` never blocks. True means the collectives have finished (on NCCL, on the
+    GPU), so `wait()` will not wait for the network; it does not cover the copy into the
+    result, which on a GPU may still be running, and a payload that came with the header is
+    True at once. Take the result only from `wait()`.
     """
 
     def __init__(self, works, finish):
@@ -116,30 +130,40 @@ def all_gather_concat(tensor, group=None, async_op=False):
     returns the result, so you can overlap compute with the transfer. Leave the input
     unchanged until then.
 
+    Gradients: when `tensor` requires grad (and grad mode is on), the result is differentiable,
+    also through `wait()`. Its backward gives each rank's `tensor` the sum over ranks of the
+    gradient of that rank's rows, by one all-reduce of the result's whole gradient. Every rank
+    must then run the backward through the same graph, or the others wait in that all-reduce.
+    Under DDP, which averages gradients over ranks, a loss computed on every rank from the
+    result thus gives the gradient of the mean over ranks of that loss. Inputs that do not
+    require grad take the same path as before and return a result without grad.
+
     Raises on every rank: TypeError on a rank that passed a non-tensor (ValueError naming that
-    rank on the others), ValueError when dtypes or sizes after dim 0 differ between ranks.
+    rank on the others), ValueError when dtypes or sizes after dim 0 differ between ranks, or
+    when the input requires grad on some ranks only.
     """
     name = "all_gather_concat"
     device = _setup(name, group, tensor)
     if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 and tensor.layout == torch.strided:
         tensor = tensor.reshape(1)
     payload, error = _local_payload(name, tensor, device)
-    rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
+    grad = _wants_grad(tensor)
+    rows, inline = _exchange_headers(name, tensor, error, group, device, extra=grad, payload=payload)
     shapes = _shapes(rows)
     if len({(row[_DTYPE], *shape[1:]) for row, shape in zip(rows, shapes)}) > 1:
         raise ValueError(
             f"{name}: every rank needs the same dtype and sizes after dim 0; got {_describe(rows)}"
         )
+    _check_grad_agrees(name, rows)
     row_shape = shapes[0][1:]
     counts = [shape[0] for shape in shapes]
     row_bytes = math.prod(row_shape) * tensor.element_size()
-    handle = _gather_bytes(
-        payload,
-        [n * row_bytes for n in counts],
-        group,
-        inline,
-        then=lambda packed: packed.view(tensor.dtype).view(sum(counts), *row_shape).to(tensor.device),
-    )
+
+    def then(packed):
+        out = packed.view(tensor.dtype).view(sum(counts), *row_shape).to(tensor.device)
+        return _with_grad(tensor, out, counts, group, device) if grad else out
+
+    handle = _gather_bytes(payload, [n * row_bytes for n in counts], group, inline, then=then)
     return handle if async_op else handle.wait()
 
 
@@ -152,16 +176,28 @@ def all_gather_tensors(tensor, group=None):
 
     Collectives: a header all-gather, then the data as in `all_gather_concat`.
 
+    Gradients: as in `all_gather_concat`: when `tensor` requires grad, the tensors are
+    differentiable, and the backward (one all-reduce, on every rank) gives each rank's `tensor`
+    the sum over ranks of the gradient of that rank's tensor in the list.
+
     Raises on every rank: TypeError on a rank that passed a non-tensor (ValueError naming that
-    rank on the others), ValueError when the dtypes differ.
+    rank on the others), ValueError when the dtypes differ, or when the input requires grad on
+    some ranks only.
     """
     name = "all_gather_tensors"
     device = _setup(name, group, tensor)
     payload, error = _local_payload(name, tensor, device)
-    rows, inline = _exchange_headers(name, tensor, error, group, device, payload=payload)
+    grad = _wants_grad(tensor)
+    rows, inline = _exchange_headers(name, tensor, error, group, device, extra=grad, payload=payload)
     if len({row[_DTYPE] for row in rows}) > 1:
         raise ValueError(f"{name}: every rank needs the same dtype; got {_describe(rows)}")
+    _check_grad_agrees(name, rows)
     shapes = _shapes(rows)
+    if grad:  # one flat tensor of every rank's elements, so that the backward runs once
+        numels = [math.prod(shape) for shape in shapes]
+        packed = _gather_bytes(payload, [n * tensor.element_size() for n in numels], group, inline).wait()
+        flat = _with_grad(tensor.reshape(-1), packed.view(tensor.dtype).to(tensor.device), numels, group, device)
+        return [chunk.view(shape) for chunk, shape in zip(flat.split(numels), shapes)]
     sizes = [math.prod(shape) * tensor.element_size() for shape in shapes]
     chunks = _gather_bytes(payload, sizes, group, inline).wait().to(tensor.device).split(sizes)
     return [chunk.view(tensor.dtype).view(shape) for chunk, shape in zip(chunks, shapes)]
@@ -171,7 +207,8 @@ def all_gather_object(obj, group=None):
     """Gather any picklable object from every rank.
 
     Every rank gets the same list of `world_size` objects in rank order. Tensors inside the
-    objects arrive on the CPU, so nothing lands on another rank's GPU.
+    objects arrive on the CPU, so nothing lands on another rank's GPU; a `torch.nn.Parameter`
+    stays one, with its `requires_grad`, wherever it was.
 
     Collectives: a header all-gather, then the data as in `all_gather_concat`, on the CPU
     whenever possible, so that it needs no `torch.cuda.set_device`: on a group with a CPU
@@ -202,8 +239,9 @@ def all_reduce_mean(value, group=None):
     - A tensor: every rank gets a new tensor of the same shape on the same device. Floating and
       complex inputs keep their dtype (floats under 32 bits are summed in float32, complex32 in
       complex64); integer and bool inputs give float64.
-    - A dict of str -> real number or 0-d tensor: every rank gets a dict of Python floats with the
-      same keys, summed in float64 so counts and sums stay exact. Key order may differ by rank.
+    - A dict of str -> real number or one-element tensor (any shape, e.g. 0-d or (1,)): every
+      rank gets a dict of Python floats with the same keys, summed in float64 so counts and sums
+      stay exact. Key order may differ by rank.
 
     Collectives: 1 when the values, in the dtype they are summed in, fit in the header (8 KiB
     per rank, less past 8 ranks): every rank then sums the gathered values itself, in rank
@@ -320,7 +358,7 @@ def _setup(name, group, tensor=None):
     """
     if not _initialized():
         return torch.device("cpu")
-    if dist.get_rank(group) < 0:
+    if group is not None and dist.get_rank(group) < 0:  # every rank is in the default group
         raise ValueError(f"{name}: this rank is not a member of the given group")
     if "cpu" in _device_backends(group):
         return torch.device("cpu")
@@ -358,8 +396,12 @@ def _input_error(name, tensor, expected):
 
 def _as_bytes(tensor, device):
     """The tensor's data as a flat uint8 tensor on `device`, without copying when it can."""
-    dense = tensor.detach().resolve_conj().resolve_neg()  # lazy conj/neg views have no plain bytes
-    return dense.to(device).contiguous().view(-1).view(torch.uint8)
+    dense = tensor.detach() if tensor.requires_grad else tensor
+    if dense.is_conj() or dense.is_neg():  # lazy conj/neg views have no plain bytes
+        dense = dense.resolve_conj().resolve_neg()
+    if dense.device != device:
+        dense = dense.to(device)
+    return dense.contiguous().view(-1).view(torch.uint8)
 
 
 def _header_room(world):
@@ -382,16 +424,19 @@ def _exchange_headers(name, spec, error, group, device, extra=0, payload=None):
         header += [0] * (_HEADER_LEN - len(header))
     rows, inline = [header], None
     if _initialized():
-        world = get_world_size(group)
+        world = dist.get_world_size(group)
         room = _header_room(world)
-        local = torch.zeros(_HEADER_BYTES + room, dtype=torch.uint8, device=device)
-        local[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-        if payload is not None and payload.numel() <= room:
-            local[_HEADER_BYTES : _HEADER_BYTES + payload.numel()] = payload
-        gathered = torch.empty(world, local.numel(), dtype=torch.uint8, device=device)
-        _all_gather_equal(gathered.view(-1), local, group).wait()
-        rows = gathered[:, :_HEADER_BYTES].view(torch.int64).tolist()
-        inline = gathered[:, _HEADER_BYTES:]
+        # A tiny call's tensor operations cost about as much as its collective (bench_gather.py
+        # --only tiny), hence few: the header's bytes straight from the ints, one cat for the row.
+        head = torch.frombuffer(array.array("q", header), dtype=torch.uint8).to(device)
+        data = payload if payload is not None and payload.numel() <= room else head[:0]
+        padding = torch.zeros(room - data.numel(), dtype=torch.uint8, device=device)
+        local = torch.cat([head, data, padding])
+        gathered = torch.empty(world * local.numel(), dtype=torch.uint8, device=device)
+        _all_gather_equal(gathered, local, group).wait()
+        gathered = gathered.view(world, local.numel())
+        rows = gathered.narrow(1, 0, _HEADER_BYTES).view(torch.int64).tolist()
+        inline = gathered.narrow(1, _HEADER_BYTES, room)
     if error is not None:
         raise error
     bad = [rank for rank, row in enumerate(rows) if row[_ERROR]]
@@ -434,13 +479,16 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
     GatherHandle whose `wait()` gives `then(packed)`, where `packed` holds all ranks' bytes
     concatenated in rank order.
     """
-    if not _initialized():
+    if inline is None:  # no process group
         return GatherHandle([], lambda: then(local.clone()))
     largest = max(sizes)
-    out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
     if largest <= inline.shape[1]:  # every rank's data came with the header
-        torch.cat([inline[r, :n] for r, n in enumerate(sizes)], out=out)
-        return GatherHandle([], lambda: then(out))
+        if largest == min(sizes):  # one copy, not one slice per rank
+            packed = inline.narrow(1, 0, largest).reshape(-1)
+        else:
+            packed = torch.cat([inline[r, :n] for r, n in enumerate(sizes)])
+        return GatherHandle([], lambda: then(packed))
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
     backend = _device_backends(group).get(local.device.type)
     few_gloo_ranks = backend == "gloo" and len(sizes) <= _GLOO_BROADCAST_MAX_WORLD
     if largest == min(sizes) and not few_gloo_ranks:
@@ -462,11 +510,56 @@ def _gather_bytes(local, sizes, group, inline, then=lambda packed: packed):
     return GatherHandle(works, lambda: then(out))
 
 
+def _wants_grad(tensor):
+    """Whether the gather must be differentiable: the header carries it, so every rank agrees."""
+    return int(isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled())
+
+
+def _check_grad_agrees(name, rows):
+    if len({row[_EXTRA] for row in rows}) > 1:
+        ranks = "; ".join(f"rank {r}: {'yes' if row[_EXTRA] else 'no'}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"{name}: the input must require grad on every rank or on none, as the backward is a "
+            f"collective; requires grad: {ranks}"
+        )
+
+
+def _with_grad(tensor, gathered, counts, group, device):
+    """`gathered` (every rank's rows of `tensor`, `counts[r]` from rank r), differentiable."""
+    start = sum(counts[: get_rank(group)])
+    return _GatherBackward.apply(tensor, gathered, group, device, start)
+
+
+class _GatherBackward(torch.autograd.Function):
+    """The gather's adjoint: each rank's rows get the sum over ranks of their gradient.
+
+    One all-reduce of the whole gradient, then this rank's rows: unlike a reduce-scatter, it
+    takes any row counts, on gloo too.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, gathered, group, device, start):
+        ctx.group, ctx.device, ctx.rows = group, device, slice(start, start + len(tensor))
+        # detach(): the same memory, but not a view of an input, which autograd would forbid
+        # to modify in place.
+        return gathered.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        total = grad.to(device=ctx.device, memory_format=torch.contiguous_format, copy=True)
+        if _initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return total[ctx.rows].to(grad.device), None, None, None, None
+
+
 class _CpuPickler(pickle.Pickler):
     """Pickles every tensor as a CPU tensor, so no rank unpickles onto another rank's GPU."""
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        # A Parameter pickles as its `.data`, a plain tensor that then comes here: moving that
+        # one keeps a GPU Parameter a Parameter, as a CPU one stays (`.cpu()` would drop it).
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter) and obj.device.type != "cpu":
             return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return NotImplemented
 
@@ -485,11 +578,21 @@ def _device_backends(group):
     NCCL alone on one with them).
     """
     config = str(dist.get_backend_config(group)) if hasattr(dist, "get_backend_config") else ""
+    backends = _parse_backend_config(config)
+    if backends is not None:
+        return backends
+    backend = dist.get_backend(group)  # older torch, or a config without device names
+    return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_backend_config(config):
+    """{device type: backend} from e.g. "cpu:gloo,cuda:nccl"; None without device names.
+    Cached: every call of every function reads it, and parsing cost more than the lookup."""
     pairs = [pair.partition(":") for pair in config.split(",")]
     if all(separator for _, separator, _ in pairs):
         return {device: backend for device, _, backend in pairs}
-    backend = dist.get_backend(group)  # older torch, or a config without device names
-    return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
+    return None
 
 
 def _object_route(group, device):
@@ -539,15 +642,19 @@ def _dict_values(name, value, device):
         if not all(isinstance(k, str) for k in value):
             raise TypeError("keys must be str")
         keys = sorted(value)
-        numbers = torch.tensor([_number(value[k]) for k in keys], dtype=torch.float64, device=device)
+        numbers = torch.tensor([_number(k, value[k]) for k in keys], dtype=torch.float64, device=device)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        return [], None, TypeError(f"{name}: expected a dict of str -> real number or 0-d tensor ({exc})")
+        return [], None, TypeError(
+            f"{name}: expected a dict of str -> real number or one-element tensor ({exc})"
+        )
     return keys, numbers, None
 
 
-def _number(v):
-    if isinstance(v, torch.Tensor) and v.dim() == 0:
-        v = v.item()
+def _number(key, v):
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise TypeError(f"key {key!r} holds a tensor of shape {list(v.shape)}, not one element")
+        v = v.item()  # a 0-d tensor, or one of shape (1,), (1, 1), ... as detectron2's reduce_dict passes
     if isinstance(v, (bool, int, float)):
         return v
     raise TypeError(f"got a {type(v).__name__} value")

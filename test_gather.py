@@ -11,6 +11,7 @@ one), and run the GPU variants when CUDA is present.
 """
 
 import argparse
+import copy
 import datetime
 import functools
 import os
@@ -22,6 +23,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 import gather_utils as gu
@@ -115,6 +118,116 @@ def check_all_gather_concat_async(device, group=None):
     assert overlapped[0, 0].item() == 64
 
 
+def rank_loss(gathered, r):
+    """A loss that rank r computes from gathered rows: it weighs each element its own way."""
+    weights = torch.arange(gathered.numel(), device=gathered.device).view_as(gathered) % (r + 2)
+    return (weights * gathered**2).sum() + r * gathered.sum()
+
+
+def check_all_gather_concat_gradient(device, group=None):
+    """Each rank's input gets the gradient of the sum of every rank's loss, as one process
+    computing all of them on the concatenated rows would give it (uneven rows, 0 included)."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    everyone = expected_concat(world, device, torch.float64).requires_grad_()
+    (want,) = torch.autograd.grad(sum(rank_loss(everyone, r) for r in range(world)), everyone)
+    start = sum(len(rows_for(r, device)) for r in range(rank))
+    want = want[start : start + len(rows_for(rank, device))]
+    for async_op in (False, True):
+        local = rows_for(rank, device, torch.float64).requires_grad_()
+        out = gu.all_gather_concat(local, group, async_op=async_op)
+        out = out.wait() if async_op else out
+        assert torch.equal(out.detach(), everyone.detach())
+        (grad,) = torch.autograd.grad(rank_loss(out, rank), local)
+        assert torch.allclose(grad, want), (grad, want)
+    local = rows_for(rank, device, torch.float64).requires_grad_()
+    out = gu.all_gather_concat(local, group).mul_(2)  # in place, as any result allows
+    (grad,) = torch.autograd.grad(rank_loss(out / 2, rank), local)
+    assert torch.allclose(grad, want), (grad, want)
+    local = torch.tensor(float(rank), device=device, requires_grad=True)  # 0-d: one row
+    (grad,) = torch.autograd.grad(gu.all_gather_concat(local, group)[0], local)  # every rank's loss: row 0
+    assert grad.item() == (world if rank == 0 else 0)
+
+
+def check_all_gather_tensors_gradient(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+
+    def tensor_for(r):  # a different shape on each rank, rank 1's empty
+        values = torch.arange(0 if r == 1 else r + 1, dtype=torch.float64, device=device) + r
+        return values.view(-1, 1) if r % 2 == 0 else values
+
+    def loss(tensors, r):
+        return sum(rank_loss(t, r + q) for q, t in enumerate(tensors))
+
+    everyone = [tensor_for(r).requires_grad_() for r in range(world)]
+    want = torch.autograd.grad(sum(loss(everyone, r) for r in range(world)), everyone)[rank]
+    local = tensor_for(rank).requires_grad_()
+    out = gu.all_gather_tensors(local, group)
+    assert all(torch.equal(t.detach(), tensor_for(r)) for r, t in enumerate(out))
+    (grad,) = torch.autograd.grad(loss(out, rank), local)
+    assert torch.allclose(grad, want), (grad, want)
+
+
+def check_no_grad_path_unchanged(device, group=None):
+    """Inputs that do not require grad, or gathers under no_grad, give results without grad."""
+    rank = gu.get_rank(group)
+    plain = rows_for(rank, device)
+    live = plain.clone().requires_grad_()
+    outputs = [gu.all_gather_concat(plain, group), *gu.all_gather_tensors(plain, group)]
+    with torch.no_grad():
+        outputs += [gu.all_gather_concat(live, group), *gu.all_gather_tensors(live, group)]
+    assert all(not t.requires_grad and t.grad_fn is None for t in outputs)
+
+
+def contrastive_loss(model, x1, x2, gather, offset):
+    """InfoNCE summed over this rank's rows: view 1 of each row against view 2 of every row."""
+    z1, z2 = F.normalize(model(x1), dim=1), F.normalize(model(x2), dim=1)
+    logits = z1 @ gather(z2).T / 0.1
+    labels = torch.arange(len(z1), device=z1.device) + offset
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def check_contrastive_loss_under_ddp(device, group=None):
+    """DDP with a global-batch contrastive loss through all_gather_concat, uneven rows per rank:
+    after 3 SGD steps, the same weights as one process training on the whole batch."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    counts = [2 + r % 2 for r in range(world)]
+    total, start = sum(counts), sum(counts[:rank])
+    generator = torch.Generator().manual_seed(0)
+    x1 = torch.randn(total, 5, generator=generator, dtype=torch.float64).to(device)
+    x2 = x1 + 0.3 * torch.randn(total, 5, generator=generator, dtype=torch.float64).to(device)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(5, 4).double().to(device)
+    initial = copy.deepcopy(reference)
+    model = DDP(
+        copy.deepcopy(reference),
+        process_group=group,
+        device_ids=[device] if device.type == "cuda" else None,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    mine = slice(start, start + counts[rank])
+    for _ in range(3):
+        optimizer.zero_grad()
+        # DDP averages the ranks' gradients: scaled so, the average is that of the global mean.
+        loss = contrastive_loss(model, x1[mine], x2[mine], lambda z: gu.all_gather_concat(z, group), start)
+        (loss * world / total).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        (contrastive_loss(reference, x1, x2, lambda z: z, 0) / total).backward()
+        ref_optimizer.step()
+    for trained, want, before in zip(model.module.parameters(), reference.parameters(), initial.parameters()):
+        assert not torch.allclose(want, before)
+        assert torch.allclose(trained, want, rtol=0, atol=1e-12), (trained, want)
+
+
+def check_bad_input_requires_grad_on_one_rank(device, group=None):
+    rank = gu.get_rank(group)
+    local = torch.zeros(2, device=device, requires_grad=rank == 1)
+    for fn in (gu.all_gather_concat, gu.all_gather_tensors):
+        expect_error(ValueError, lambda: fn(local, group), "on every rank or on none", "rank 1: yes", "rank 0: no")
+    check_group_still_works(device, group)
+
+
 def check_all_gather_tensors_any_shape(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
 
@@ -136,11 +249,15 @@ def check_all_gather_object(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
 
     def obj_for(r):
-        return None if r == 1 else {"rank": r, "name": "x" * r, "t": torch.full((r,), float(r))}
+        if r == 1:
+            return None
+        weight = torch.nn.Parameter(torch.full((2,), float(r)), requires_grad=r % 2 == 0)
+        return {"rank": r, "name": "x" * r, "t": torch.full((r,), float(r)), "p": weight}
 
     local = obj_for(rank)
     if local is not None:
         local["t"] = local["t"].to(device)
+        local["p"] = torch.nn.Parameter(local["p"].to(device), local["p"].requires_grad)
     out = gu.all_gather_object(local, group)
     assert len(out) == world
     for r in range(world):
@@ -149,8 +266,11 @@ def check_all_gather_object(device, group=None):
             assert out[r] is None
             continue
         assert out[r]["rank"] == r and out[r]["name"] == want["name"]
-        assert out[r]["t"].device.type == "cpu"  # never another rank's GPU
+        assert out[r]["t"].device.type == out[r]["p"].device.type == "cpu"  # never another rank's GPU
         assert torch.equal(out[r]["t"], want["t"])
+        # A Parameter stays one, from a GPU too, with its requires_grad.
+        assert type(out[r]["p"]) is torch.nn.Parameter and out[r]["p"].requires_grad == (r % 2 == 0)
+        assert torch.equal(out[r]["p"].detach(), want["p"].detach())
 
 
 def check_all_reduce_mean_tensor(device, group=None):
@@ -181,13 +301,21 @@ def check_all_reduce_mean_tensor(device, group=None):
 def check_all_reduce_mean_dict(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     # Keys in a different order on each rank; a count that float32 could not hold exactly.
-    items = [("count", 2**40 + rank), ("loss", torch.tensor(float(rank), device=device)), ("flag", True)]
-    local = dict(items[rank % 3 :] + items[: rank % 3])
+    # One-element tensors of any shape count as numbers, as detectron2's reduce_dict passes them.
+    items = [
+        ("count", 2**40 + rank),
+        ("loss", torch.tensor(float(rank), device=device)),
+        ("flag", True),
+        ("acc", torch.tensor([[rank]], dtype=torch.int32, device=device)),
+        ("lr", torch.tensor([0.5], device=device)),
+    ]
+    local = dict(items[rank % 5 :] + items[: rank % 5])
     out = gu.all_reduce_mean(local, group)
     assert list(out) == list(local)
     assert all(isinstance(v, float) for v in out.values())
     assert out["count"] == (world * 2**40 + sum(range(world))) / world
-    assert out["loss"] == sum(range(world)) / world and out["flag"] == 1.0
+    assert out["loss"] == out["acc"] == sum(range(world)) / world
+    assert out["flag"] == 1.0 and out["lr"] == 0.5
     assert gu.all_reduce_mean({}, group) == {}
 
 
@@ -310,7 +438,14 @@ def check_bad_input_dict_keys_differ(device, group=None):
     expect_error(
         ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']"
     )
-    for bad, words in [("high", "got a str value"), (1j, "got a complex value"), (10**400, "too large")]:
+    for bad, words in [
+        ("high", "got a str value"),
+        (1j, "got a complex value"),
+        (10**400, "too large"),
+        (torch.tensor([1.0, 2.0], device=device), "key 'loss' holds a tensor of shape [2], not one element"),
+        (torch.zeros(0, device=device), "shape [0]"),
+        (torch.tensor([1j], device=device), "got a complex value"),
+    ]:
         not_a_number = {"loss": bad} if rank == 1 else {"loss": 1.0}
         expect_rank_1_error(group, TypeError, lambda: gu.all_reduce_mean(not_a_number, group), words)
     check_group_still_works(device, group)
@@ -401,6 +536,8 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     assert n == 1 and torch.equal(out, torch.cat([floats(room // 4, r) for r in range(world)]))
     out, n = collectives_run(group, gu.all_gather_tensors, floats(room // 4 - rank, rank))
     assert n == 1 and all(torch.equal(t, floats(room // 4 - r, r)) for r, t in enumerate(out))
+    out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4, rank).requires_grad_())
+    assert n == 1 and out.requires_grad  # a differentiable gather costs no more collectives
     out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4 + 1, rank))
     assert n == 1 + data_collectives
     assert torch.equal(out, torch.cat([floats(room // 4 + 1, r) for r in range(world)]))
@@ -481,6 +618,9 @@ CHECKS = [
     check_gather_for_metrics_keeps_first_duplicate,
     check_gather_for_metrics_zero_width_rows,
     check_all_gather_concat_lazy_views,
+    check_all_gather_concat_gradient,
+    check_all_gather_tensors_gradient,
+    check_no_grad_path_unchanged,
 ]
 # These need at least two ranks to disagree.
 MULTI_RANK_CHECKS = [
@@ -491,6 +631,7 @@ MULTI_RANK_CHECKS = [
     check_bad_input_unreadable_tensor_on_one_rank,
     check_bad_input_dict_keys_differ,
     check_bad_input_gather_for_metrics,
+    check_bad_input_requires_grad_on_one_rank,
 ]
 # These need an initialized process group.
 DISTRIBUTED_CHECKS = [
@@ -498,6 +639,7 @@ DISTRIBUTED_CHECKS = [
     check_default_group,
     check_small_payloads_ride_in_the_header,
     check_past_the_gloo_broadcast_limit,
+    check_contrastive_loss_under_ddp,
 ]
 
 
@@ -635,6 +777,7 @@ def test_world_of_one_bad_input():
         expect_error(TypeError, lambda: fn([1, 2]), "expected a torch.Tensor", "got list")
     expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0), "could not pickle")
     expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}), "got a str value")
+    expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": torch.ones(1, 2)}), "shape [1, 2], not one element")
     results, indices = torch.zeros(2, 1), torch.tensor([0, 1])
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 3), "held by no rank", "[2]")
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 1), "holds index 1")
