@@ -468,7 +468,11 @@ def _all_gather_equal(out, inp, group):
     if hasattr(dist, "all_gather_single"):  # torch >= 2.13
         return dist.all_gather_single(out, inp, group=group, async_op=True)
     if hasattr(dist, "all_gather_into_tensor"):  # torch 1.13 to 2.12
-        return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        try:
+            return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        except RuntimeError as e:  # gloo before torch 2.2 refuses it before sending anything, on every rank
+            if "_allgather_base" not in str(e):
+                raise
     return dist.all_gather(list(out.split(inp.numel())), inp, group=group, async_op=True)
 
 

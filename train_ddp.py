@@ -22,6 +22,7 @@ import datetime
 import difflib
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -59,6 +60,7 @@ CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step",
 # Images up to this size (CIFAR's 32 px, Tiny ImageNet's 64 px) train whole, padded and
 # cropped; ImageNet's random-resized crop, which can keep 8% of an image, throws their signal away.
 SMALL_IMAGE_MAX_SIZE = 64
+IMAGE_FOLDER_ALLOWS_EMPTY = "allow_empty" in inspect.signature(torchvision.datasets.ImageFolder).parameters  # 0.17+
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
 
 
@@ -165,6 +167,12 @@ def check_args(args):
              "visible; start at most one process per GPU")
     if args.evaluate and not args.resume:
         fail("--evaluate needs --resume PATH: the checkpoint to validate")
+    if args.amp == "fp16" and not torch.cuda.is_available() and not hasattr(torch.amp, "GradScaler"):
+        fail(f"--amp fp16 on CPU needs torch 2.3 or later (a CPU GradScaler), this is {torch.__version__}; "
+             "use --amp bf16")
+    if args.comm_hook == "bf16" and args.backend == "gloo" and torch.__version__ < "2.2":
+        fail(f"--comm-hook bf16 on gloo needs torch 2.2 or later (a bfloat16 all-reduce), this is {torch.__version__}; "
+             "use --comm-hook fp16")
     if args.comm_hook == "powersgd" and args.amp == "fp16":
         fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would leave inf in "
              "PowerSGD's error feedback and skip every later step; use --amp bf16")
@@ -222,16 +230,23 @@ def check_image_folder(root):
     if not root.is_dir():
         fail(f"--data {root}: no such directory; expected an ImageFolder root with train/ and val/")
     for split in ["train", "val"]:
-        folder = root / split
-        images = (f for _, _, files in os.walk(folder) for f in files
-                  if f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS))
-        if not folder.is_dir() or next(images, None) is None:
-            fail(f"--data {root}: {folder} holds no images; expected {folder}/<class>/<image>.jpg")
+        if not has_images(root / split):
+            fail(f"--data {root}: {root / split} holds no images; expected {root / split}/<class>/<image>.jpg")
     # ImageFolder numbers the classes of each split by its own folder names.
     train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()} for split in ["train", "val"])
     if train != val:
         fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels differ "
              f"(only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
+    if not IMAGE_FOLDER_ALLOWS_EMPTY:
+        for folder in sorted(root / split / name for split in ["train", "val"] for name in train):
+            if not has_images(folder):
+                fail(f"--data {root}: {folder} holds no images, which torchvision {torchvision.__version__} "
+                     "refuses (0.17 and later allow it); expected images in every class folder")
+
+
+def has_images(folder):
+    return any(f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS)
+               for _, _, files in os.walk(folder) for f in files)
 
 
 def resume_path(args):
@@ -304,11 +319,13 @@ def world_from_env():
 
 def init_distributed(args, device):
     rank, world_size = world_from_env()
-    # With NCCL, device_id binds the communicator to this rank's GPU at once.
-    device_id = device if device.type == "cuda" else None
+    # With NCCL, device_id (torch 2.3 and later) binds the communicator to this rank's GPU at once.
+    bind = {}
+    if device.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        bind = {"device_id": device}
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         # No launcher: a one-process group on an in-memory store, so no port is needed.
-        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (README)")
@@ -321,7 +338,7 @@ def init_distributed(args, device):
         # torchrun (2.14) keeps one store across restarts (MAX_RESTARTS): without a prefix per
         # attempt, a restarted rank finds the previous attempt's addresses and cannot connect.
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
+        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, **bind)
         dist.barrier()
         # On NCCL, gather_utils' CPU collectives run on a gloo group that its first call forms:
         # form it here, so that a network problem shows now, as one line.
@@ -415,9 +432,11 @@ def build_datasets(args):
     flip = [] if args.no_flip else [transforms.RandomHorizontalFlip()]
     to_tensor = [transforms.ToTensor(), transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])]
     root = Path(args.data)
+    # A class without validation images keeps its label (check_image_folder matched the folders).
+    options = {"allow_empty": True} if IMAGE_FOLDER_ALLOWS_EMPTY else {}
     return (torchvision.datasets.ImageFolder(root / "train", transforms.Compose(train_crop + flip + to_tensor),
-                                             allow_empty=True),
-            torchvision.datasets.ImageFolder(root / "val", transforms.Compose(val_crop + to_tensor), allow_empty=True))
+                                             **options),
+            torchvision.datasets.ImageFolder(root / "val", transforms.Compose(val_crop + to_tensor), **options))
 
 
 def describe_recipe(args):
@@ -536,7 +555,11 @@ def warmup_cosine(step, warmup_steps, total_steps):
 
 def build_optimizer(model, args):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=args.amp == "fp16")
+    enabled = args.amp == "fp16"
+    if hasattr(torch.amp, "GradScaler"):  # torch 2.3 and later
+        scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=enabled)
+    else:  # CUDA only; check_args refuses --amp fp16 on CPU there
+        scaler = torch.cuda.amp.GradScaler(enabled=enabled)
     return optimizer, scaler
 
 
