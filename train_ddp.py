@@ -267,7 +267,7 @@ def resume_path(args):
 
 
 def load_checkpoint(path, args):
-    """Read the checkpoint to resume from before the process group forms, so a bad file fails fast."""
+    """The checkpoint to resume from. launch.sh's dry run reads it first: a bad file fails before any worker starts."""
     if path is None:
         return None
     if not path.is_file():
@@ -345,6 +345,21 @@ def init_distributed(args, device):
         gather_utils.all_gather_object(None)
     except (RuntimeError, ValueError) as e:
         rank_error(init_failure(e, args, world_size, address))
+
+
+@contextmanager
+def process_group(args, device):
+    init_distributed(args, device)
+    try:
+        yield
+        # Before torch 2.14, tearing down a gloo group holds the GIL while it waits for the group's
+        # worker threads, and a worker that frees the last collective's tensors needs the GIL: the
+        # rank never exits. The finishing barrier keeps those tensors alive, so that this thread frees
+        # them, after the group is gone. Hence also the DDP model, which holds the group, is gone by now.
+        finished = dist.barrier(async_op=True)
+        finished.wait()
+    finally:
+        dist.destroy_process_group()
 
 
 def init_failure(error, args, world_size, address):
@@ -847,42 +862,45 @@ def evaluate(model, val_set, args, device, checkpoint):
 
 def main(argv=None):
     args = parse_args(argv)
-    resume_from = resume_path(args)
-    checkpoint = load_checkpoint(resume_from, args)
     if args.dry_run:
+        load_checkpoint(resume_path(args), args)
         return
     # Noted from here on, so that a SIGTERM while the group, data and model are set up still
     # stops training cleanly, at its first step; so does one held since start-up (top of file).
     stop = None if args.evaluate else SigtermStop()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)
-    init_distributed(args, device)
-    try:
-        check_same_start(checkpoint)
-        train_set, val_set = build_datasets(args)
-        steps = steps_per_epoch(train_set, args)
-        model = build_model(args)
-        if checkpoint:
-            model.load_state_dict(checkpoint["model"])
-        torch.manual_seed(args.seed + dist.get_rank())  # same initial weights, then one random stream per rank
-        if args.evaluate:
-            return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
-        warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
-        model = wrap_ddp(model, args, device, warmup_steps)
-        optimizer, scaler = build_optimizer(model, args)
-        start_epoch, start_step = 0, 0
-        if checkpoint:
-            start_epoch, start_step = restore_training_state(checkpoint, optimizer, scaler, args)
-            log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
-        del checkpoint  # the model and optimizer have what they need: free the rest for the whole run
-        scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
-        log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
-            f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
-            f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
-        fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps,
-            stop)
-    finally:
-        dist.destroy_process_group()
+    with process_group(args, device):
+        train_or_evaluate(args, device, stop)
+
+
+def train_or_evaluate(args, device, stop):
+    """Steps 4 to 7, in a function of their own: the DDP model holds the process group, and must be
+    freed before process_group() destroys it."""
+    resume_from = resume_path(args)
+    checkpoint = load_checkpoint(resume_from, args)
+    check_same_start(checkpoint)
+    train_set, val_set = build_datasets(args)
+    steps = steps_per_epoch(train_set, args)
+    model = build_model(args)
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+    torch.manual_seed(args.seed + dist.get_rank())  # same initial weights, then one random stream per rank
+    if args.evaluate:
+        return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
+    warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
+    model = wrap_ddp(model, args, device, warmup_steps)
+    optimizer, scaler = build_optimizer(model, args)
+    start_epoch, start_step = 0, 0
+    if checkpoint:
+        start_epoch, start_step = restore_training_state(checkpoint, optimizer, scaler, args)
+        log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
+    del checkpoint  # the model and optimizer have what they need: free the rest for the whole run
+    scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
+    log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
+        f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
+        f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
+    fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps, stop)
 
 
 if __name__ == "__main__":
