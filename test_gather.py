@@ -720,6 +720,11 @@ def main():
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     try:
         ok = run_checks(device)
+        # As in train_ddp.py's process_group: held until the group is gone, the finishing barrier's
+        # work keeps the last collectives' tensors from gloo's worker threads, which could otherwise
+        # hang this rank's exit on torch 2.1 to 2.13.
+        finished = dist.barrier(async_op=True)
+        finished.wait()
     finally:
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)
