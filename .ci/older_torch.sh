@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The older torch releases that clusters and the GPU machine run, each in its own virtual
+# environment under $VENVS (default /tmp/ddp-older-torch; reused when present): test_gather.py
+# under torchrun at 2 and 3 ranks, and test_train.py's exit test, repeated because the exit hang
+# it guards against came in about 1 launch of 5.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venvs=${VENVS:-/tmp/ddp-older-torch}
+
+check_release() {  # torch version, then the rest of what its environment needs
+    local version=$1 venv=$venvs/torch-$1 began=$SECONDS
+    shift
+    echo "== torch $version"
+    [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q "torch==$version" "$@" -r requirements-test.txt
+    PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider \
+        "test_gather.py::test_torchrun_gloo_cpu[2]" "test_gather.py::test_torchrun_gloo_cpu[3]"
+    for _ in 1 2 3 4; do
+        PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider \
+            test_train.py::test_every_rank_exits_after_train_resume_and_evaluate
+    done
+    echo "== torch $version: $((SECONDS - began)) s"
+}
+
+check_release 2.1.2 torchvision==0.16.2 "numpy<2"  # torch 2.1 was built against numpy 1
+check_release 2.11.0 torchvision==0.26.0           # the GPU machine's release
