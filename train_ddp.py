@@ -352,10 +352,10 @@ def process_group(args, device):
     init_distributed(args, device)
     try:
         yield
-        # Before torch 2.14, tearing down a gloo group holds the GIL while it waits for the group's
-        # worker threads, and a worker that frees the last collective's tensors needs the GIL: the
-        # rank never exits. The finishing barrier keeps those tensors alive, so that this thread frees
-        # them, after the group is gone. Hence also the DDP model, which holds the group, is gone by now.
+        # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits
+        # for the group's worker threads, one of which may still be freeing the last collectives'
+        # tensors, which needs the GIL. This barrier's work keeps those tensors alive until it is
+        # freed here, after the group. (The DDP model holds the group too: it is freed by now.)
         finished = dist.barrier(async_op=True)
         finished.wait()
     finally:
