@@ -170,7 +170,7 @@ def check_args(args):
     if args.amp == "fp16" and not torch.cuda.is_available() and not hasattr(torch.amp, "GradScaler"):
         fail(f"--amp fp16 on CPU needs torch 2.3 or later (a CPU GradScaler), this is {torch.__version__}; "
              "use --amp bf16")
-    if args.comm_hook == "bf16" and args.backend == "gloo" and torch.__version__ < "2.2":
+    if args.comm_hook == "bf16" and args.backend == "gloo" and torch.__version__ < "2.2.0a0":
         fail(f"--comm-hook bf16 on gloo needs torch 2.2 or later (a bfloat16 all-reduce), this is {torch.__version__}; "
              "use --comm-hook fp16")
     if args.comm_hook == "powersgd" and args.amp == "fp16":
@@ -267,7 +267,7 @@ def resume_path(args):
 
 
 def load_checkpoint(path, args):
-    """The checkpoint to resume from. launch.sh's dry run reads it first: a bad file fails before any worker starts."""
+    """Read the checkpoint to resume from before the process group forms, so a bad file fails fast."""
     if path is None:
         return None
     if not path.is_file():
@@ -354,8 +354,8 @@ def process_group(args, device):
         yield
         # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits
         # for the group's worker threads, one of which may still be freeing the last collectives'
-        # tensors, which needs the GIL. This barrier's work keeps those tensors alive until it is
-        # freed here, after the group. (The DDP model holds the group too: it is freed by now.)
+        # tensors, which needs the GIL. This barrier's work keeps those tensors alive until
+        # `finished` is freed, after the group. (The DDP model holds the group too: it is freed by now.)
         finished = dist.barrier(async_op=True)
         finished.wait()
     finally:
@@ -860,25 +860,9 @@ def evaluate(model, val_set, args, device, checkpoint):
     log(json.dumps(metrics))
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.dry_run:
-        load_checkpoint(resume_path(args), args)
-        return
-    # Noted from here on, so that a SIGTERM while the group, data and model are set up still
-    # stops training cleanly, at its first step; so does one held since start-up (top of file).
-    stop = None if args.evaluate else SigtermStop()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    device = setup_device(args)
-    with process_group(args, device):
-        train_or_evaluate(args, device, stop)
-
-
-def train_or_evaluate(args, device, stop):
+def train_or_evaluate(args, device, stop, resume_from, checkpoint):
     """Steps 4 to 7, in a function of their own: the DDP model holds the process group, and must be
     freed before process_group() destroys it."""
-    resume_from = resume_path(args)
-    checkpoint = load_checkpoint(resume_from, args)
     check_same_start(checkpoint)
     train_set, val_set = build_datasets(args)
     steps = steps_per_epoch(train_set, args)
@@ -895,12 +879,27 @@ def train_or_evaluate(args, device, stop):
     if checkpoint:
         start_epoch, start_step = restore_training_state(checkpoint, optimizer, scaler, args)
         log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
-    del checkpoint  # the model and optimizer have what they need: free the rest for the whole run
+        checkpoint.clear()  # the model and optimizer have what they need: free the rest for the whole run
     scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
     log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
         f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
         f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
     fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps, stop)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    resume_from = resume_path(args)
+    checkpoint = load_checkpoint(resume_from, args)
+    if args.dry_run:
+        return
+    # Noted from here on, so that a SIGTERM while the group, data and model are set up still
+    # stops training cleanly, at its first step; so does one held since start-up (top of file).
+    stop = None if args.evaluate else SigtermStop()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    device = setup_device(args)
+    with process_group(args, device):
+        train_or_evaluate(args, device, stop, resume_from, checkpoint)
 
 
 if __name__ == "__main__":
