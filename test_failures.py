@@ -324,6 +324,20 @@ def test_bad_input_fails_fast_with_one_line(case, bad_inputs):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("flags, available, message", [
+    (["--amp", "fp16"], hasattr(torch.amp, "GradScaler"), "--amp fp16 on CPU needs torch 2.3 or later"),
+    (["--comm-hook", "bf16"], torch.__version__ >= "2.2.0a0", "--comm-hook bf16 on gloo needs torch 2.2 or later"),
+], ids=["amp fp16 on CPU", "bf16 hook on gloo"])
+def test_what_this_torch_cannot_run_is_refused_with_one_line(flags, available, message):
+    # Accepted on the torch CI pins; refused on torch 2.1, where .ci/older_torch.sh runs this test too.
+    result = run([sys.executable, TRAIN, "--dry-run", *flags], timeout=60)
+    if available:
+        assert result.returncode == 0 and result.stderr == "", result.stderr
+    else:
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 def test_more_processes_than_gpus_fails_fast():
     n = torch.cuda.device_count() + 1

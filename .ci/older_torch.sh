@@ -2,7 +2,8 @@
 # The older torch releases that clusters and the GPU machine run, each in its own virtual
 # environment under $VENVS (default /tmp/ddp-older-torch; reused when present): test_gather.py
 # under torchrun at 2 and 3 ranks, and test_train.py's exit test, repeated because the exit hang
-# it guards against came in about 1 launch of 5.
+# it guards against came in about 1 launch of 5; and the refusals of what torch 2.1 cannot run.
+# torch 2.1 has wheels for Python 3.8 to 3.11 only: CI's python3 is 3.11.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venvs=${VENVS:-/tmp/ddp-older-torch}
@@ -14,7 +15,8 @@ check_release() {  # torch version, then the rest of what its environment needs
     [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q "torch==$version" "$@" -r requirements-test.txt
     PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider \
-        "test_gather.py::test_torchrun_gloo_cpu[2]" "test_gather.py::test_torchrun_gloo_cpu[3]"
+        "test_gather.py::test_torchrun_gloo_cpu[2]" "test_gather.py::test_torchrun_gloo_cpu[3]" \
+        test_failures.py::test_what_this_torch_cannot_run_is_refused_with_one_line
     for _ in 1 2 3 4; do
         PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider \
             test_train.py::test_every_rank_exits_after_train_resume_and_evaluate
