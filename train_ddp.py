@@ -879,7 +879,9 @@ def train_or_evaluate(args, device, stop, resume_from, checkpoint):
     if checkpoint:
         start_epoch, start_step = restore_training_state(checkpoint, optimizer, scaler, args)
         log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
-        checkpoint.clear()  # the model and optimizer have what they need: free the rest for the whole run
+        # The model and optimizer have what they need: free the rest for the whole run (emptied, since
+        # main() holds the dict too).
+        checkpoint.clear()
     scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
     log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
         f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
