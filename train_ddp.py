@@ -5,8 +5,9 @@
     python train_ddp.py                                     # a single process, no launcher
 
 Without --data it trains on a synthetic dataset generated in memory, so it runs anywhere.
-The steps follow the order of a DDP tutorial: arguments, device, process group, data,
-model, training with exact validation, checkpoints, clean-up. README.md explains every flag.
+main() is the table of contents and the functions follow in the order it calls them:
+arguments, device, process group, data, model and DDP, training with exact validation,
+checkpoints, clean-up. The checks that guard the story come after it. README.md explains the flags.
 """
 import signal
 
@@ -20,7 +21,6 @@ if __name__ == "__main__":
 import argparse
 import datetime
 import difflib
-import functools
 import hashlib
 import inspect
 import json
@@ -31,7 +31,9 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,38 +58,35 @@ DEVICE_DEFAULTS = {
 }
 ARCHS = torchvision.models.list_models(module=torchvision.models)
 SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.75: learnable, but not in one step
-CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "world_size", "args", "rng"}
 # Images up to this size (CIFAR's 32 px, Tiny ImageNet's 64 px) train whole, padded and
 # cropped; ImageNet's random-resized crop, which can keep 8% of an image, throws their signal away.
 SMALL_IMAGE_MAX_SIZE = 64
+CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 IMAGE_FOLDER_ALLOWS_EMPTY = "allow_empty" in inspect.signature(torchvision.datasets.ImageFolder).parameters  # 0.17+
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
 
 
+def main(argv=None):
+    args = parse_args(argv)  # 1. arguments
+    # Read before the process group forms, so that a bad file fails fast, and every rank with it.
+    checkpoint = load_checkpoint(args)
+    if args.dry_run:
+        return
+    # Noted from here on, so that a SIGTERM while the group, data and model are set up still
+    # stops training cleanly, at its first step; so does one held since start-up (top of file).
+    stop = None if args.evaluate else SigtermStop()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    device = setup_device(args)  # 2. device
+    with process_group(args, device):  # 3. process group, and 8. clean-up when the block ends
+        train_or_evaluate(args, device, checkpoint, stop)
+
+
+# ---------------------------------------------------------------- 1. arguments
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         fail(message)
 
 
-def env_rank():
-    """This process's global rank, known before the process group exists."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-
-
-def fail(message):
-    """Every rank sees the same bad input, so only rank 0 says so: one line instead of N tracebacks."""
-    if env_rank() == 0:
-        print(f"train_ddp.py: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def rank_error(message, code=1):
-    """An error of this rank's own, which the others may not see: each rank says it, one line each."""
-    print(f"train_ddp.py: error: rank {env_rank()}: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-# ---------------------------------------------------------------- 1. arguments
 def parse_args(argv=None):
     p = ArgumentParser(description="DDP training of a torchvision classifier (see README.md).")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None,
@@ -138,6 +137,510 @@ def parse_args(argv=None):
         args.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
     check_args(args)
     return args
+
+
+# ---------------------------------------------------------------- 2. device
+def setup_device(args):
+    # Before any CUDA work: otherwise every rank creates its context and tensors on GPU 0.
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # Under SLURM with one GPU per task every task sees a single GPU, whatever its local rank;
+    # under torchrun, LOCAL_WORLD_SIZE says how many processes share this machine's GPUs.
+    one_per_task = torch.cuda.device_count() == 1 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1
+    index = 0 if one_per_task else args.local_rank
+    if index >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
+        rank_error(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
+                   "start at most one process per GPU", code=2)
+    torch.cuda.set_device(index)
+    torch.backends.cudnn.benchmark = True  # fixed input sizes: time the conv kernels once, keep the fastest
+    return torch.device("cuda", index)
+
+
+# ---------------------------------------------------------------- 3. process group
+@contextmanager
+def process_group(args, device):
+    init_distributed(args, device)
+    try:
+        yield
+        # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits
+        # for the group's worker threads, one of which may still be freeing the last collectives'
+        # tensors, which needs the GIL. This barrier's work keeps those tensors alive until
+        # `finished` is freed, after the group. (The DDP model holds the group too: it is freed by now.)
+        finished = dist.barrier(async_op=True)
+        finished.wait()
+    finally:
+        dist.destroy_process_group()
+
+
+def init_distributed(args, device):
+    rank, world_size = world_from_env()
+    # With NCCL, device_id (torch 2.3 and later) binds the communicator to this rank's GPU at once.
+    bind = {}
+    if device.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        bind = {"device_id": device}
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # `python train_ddp.py`, no launcher: init_process_group's default (env://) would need
+        # MASTER_ADDR and MASTER_PORT; an in-memory store needs no address and no free port.
+        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
+        return
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (README)")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        # The rendezvous store gets the short --init-timeout; the collectives keep the default
+        # (30 min gloo, 10 min NCCL), so a rank that is merely slow never trips them.
+        timeout = datetime.timedelta(seconds=args.init_timeout)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        # torchrun keeps one store across restarts (MAX_RESTARTS), with the last attempt's keys in it.
+        # Without a prefix per attempt, a restart hangs or fails to connect: on torch 2.14.1,
+        # test_max_restarts_resumes_by_itself failed that way in 2 runs of 2 without this line.
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, **bind)
+        dist.barrier()
+        # On NCCL, gather_utils' CPU collectives run on a gloo group that its first call forms:
+        # form it here, so that a network problem shows now, as one line.
+        gather_utils.all_gather_object(None)
+    except (RuntimeError, ValueError) as e:
+        rank_error(init_failure(e, args, world_size, address))
+
+
+def world_from_env():
+    """Global rank and world size: torchrun's variables, else those of an srun task, else one process.
+
+    A batch script sees SLURM_NTASKS and SLURM_PROCID=0 too, but they count the job's tasks and
+    the script runs once; only srun's tasks have SLURM_STEP_ID.
+    """
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "SLURM_STEP_ID" in os.environ:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    return 0, 1
+
+
+def train_or_evaluate(args, device, checkpoint, stop):
+    """Steps 4 to 7, in a function of their own: the DDP model holds the process group, and must be
+    freed before process_group() destroys it."""
+    check_same_start(checkpoint)
+    train_set, val_set = build_datasets(args)  # 4. data
+    steps = steps_per_epoch(train_set, args)
+    model = build_model(args, checkpoint)  # 5. model, the same weights on every rank
+    torch.manual_seed(args.seed + dist.get_rank())  # from here, one random stream per rank
+    if args.evaluate:
+        return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
+    warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
+    model = wrap_ddp(model, args, device, warmup_steps)
+    optimizer, scaler = build_optimizer(model, args)
+    epoch, step = 0, 0
+    if checkpoint:
+        epoch, step = restore_training_state(checkpoint, optimizer, scaler, args)
+        log(f"resumed from {args.resume} at epoch {epoch + 1} step {step}")
+        # The model and optimizer have what they need: free the rest for the whole run (emptied, since
+        # main() holds the dict too).
+        checkpoint.clear()
+    scheduler = build_scheduler(optimizer, args, steps, warmup_steps, epoch * steps + step)
+    log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
+        f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
+        f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
+    fit(Training(model, optimizer, scheduler, scaler, steps, epoch, step), train_set, val_set, args, device, stop)
+
+
+# ---------------------------------------------------------------- 4. data
+class SyntheticImages(Dataset):
+    """A learnable stand-in for ImageNet: a smooth pattern per class plus per-sample noise.
+
+    Sample i is computed on demand from (seed, split, i), so every rank and every run sees the
+    same data without storing or downloading anything. Labels cycle through the classes.
+    """
+
+    def __init__(self, num_samples, num_classes, image_size, seed, split):
+        coarse = torch.randn(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+        self.patterns = F.interpolate(coarse, size=image_size, mode="bilinear", align_corners=False)
+        self.num_samples = num_samples
+        self.noise_seed = (seed * 2 + (split == "val") + 1) << 32
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        label = index % len(self.patterns)
+        noise = torch.randn(self.patterns.shape[1:], generator=torch.Generator().manual_seed(self.noise_seed + index))
+        return self.patterns[label] + SYNTHETIC_NOISE * noise, label
+
+
+def build_datasets(args):
+    if not args.data:
+        return (SyntheticImages(args.train_samples, args.num_classes, args.image_size, args.seed, "train"),
+                SyntheticImages(args.val_samples, args.num_classes, args.image_size, args.seed, "val"))
+    size = args.image_size
+    if size <= SMALL_IMAGE_MAX_SIZE:  # the whole image (squared at size), padded by 1/8 and cropped back
+        val_crop = [transforms.Resize(size), transforms.CenterCrop(size)]
+        train_crop = val_crop + [transforms.RandomCrop(size, padding=size // 8)]
+    else:  # ImageNet's recipe
+        train_crop = [transforms.RandomResizedCrop(size)]
+        val_crop = [transforms.Resize(size * 256 // 224), transforms.CenterCrop(size)]
+    flip = [] if args.no_flip else [transforms.RandomHorizontalFlip()]
+    to_tensor = [transforms.ToTensor(), transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])]
+    root = Path(args.data)
+    # A class without validation images keeps its label (check_image_folder matched the folders).
+    options = {"allow_empty": True} if IMAGE_FOLDER_ALLOWS_EMPTY else {}
+    return (torchvision.datasets.ImageFolder(root / "train", transforms.Compose(train_crop + flip + to_tensor),
+                                             **options),
+            torchvision.datasets.ImageFolder(root / "val", transforms.Compose(val_crop + to_tensor), **options))
+
+
+def describe_recipe(args):
+    """The training augmentation, for the log's start line."""
+    if not args.data:
+        return "synthetic data"
+    if args.image_size <= SMALL_IMAGE_MAX_SIZE:
+        recipe = f"small-image recipe (pad {args.image_size // 8} px, random crop"
+    else:
+        recipe = "ImageNet recipe (random resized crop"
+    return recipe + ("" if args.no_flip else ", flip") + ")"
+
+
+def steps_per_epoch(train_set, args):
+    """Optimizer steps per epoch: the same on every rank, as DistributedSampler gives equal shards."""
+    shard = math.ceil(len(train_set) / dist.get_world_size())
+    steps = shard // (args.batch_size * args.accum_steps)
+    if steps == 0:
+        fail(f"the train set ({len(train_set)} images over {dist.get_world_size()} ranks) is smaller than one step of "
+             f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} per rank")
+    return steps
+
+
+# ---------------------------------------------------------------- 5. model, DDP, hooks
+def build_model(args, checkpoint):
+    """The bare model on the CPU, from --seed or the checkpoint: the same weights on every rank."""
+    torch.manual_seed(args.seed)
+    classes = args.num_classes
+    if args.data:  # ImageFolder's classes are the folders in train/
+        classes = len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
+    model = torchvision.models.get_model(args.arch, weights=None, num_classes=classes)
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+    return model
+
+
+def wrap_ddp(model, args, device, warmup_steps):
+    if args.sync_bn:
+        if device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            model = convert_to_cpu_sync_bn(model)
+    model = model.to(device, memory_format=memory_format(args))
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    register_comm_hook(ddp, args.comm_hook, warmup_steps)
+    return ddp
+
+
+def register_comm_hook(ddp, name, warmup_steps):
+    """Replace DDP's plain all-reduce of gradients by the hook `name` (none, fp16, bf16, powersgd)."""
+    if name == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "powersgd":
+        # The state object lives as long as the model: it carries the error feedback and the
+        # warm-started low-rank factors from step to step. Plain all-reduce during the lr warm-up.
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=max(2, warmup_steps))
+        hook = powerSGD_hook.powerSGD_hook
+        ddp.register_comm_hook(state, hook if dist.get_backend() == "nccl" else one_bucket_at_a_time(hook))
+
+
+def one_bucket_at_a_time(hook):
+    """PowerSGD chains two all-reduces per bucket through callbacks. Gloo matches collectives
+    by issue order, which the callbacks of concurrent buckets make differ between ranks, so on
+    gloo each bucket finishes before the next one starts."""
+    def sequential_hook(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+    return sequential_hook
+
+
+def build_optimizer(model, args):
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    enabled = args.amp == "fp16"
+    if hasattr(torch.amp, "GradScaler"):  # torch 2.3 and later
+        scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=enabled)
+    else:  # CUDA only; check_args refuses --amp fp16 on CPU there
+        scaler = torch.cuda.amp.GradScaler(enabled=enabled)
+    return optimizer, scaler
+
+
+def build_scheduler(optimizer, args, steps_per_epoch, warmup_steps, steps_done):
+    """Linear warm-up, then cosine decay, per optimizer step, placed after `steps_done` steps.
+
+    Placed, not loaded from the checkpoint: a resume on other ranks or batches has other steps
+    per epoch, and the saved count of the old ones would put the cosine out of step.
+    """
+    total_steps = args.epochs * steps_per_epoch
+
+    def warmup_cosine(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    # A resumed optimizer carries each group's initial_lr, which LambdaLR needs to start mid-way.
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine, last_epoch=steps_done - 1)
+
+
+# ---------------------------------------------------------------- 6. train and validate
+@dataclass
+class Training:
+    """What the training loop carries from step to step, and what a checkpoint saves."""
+    model: DDP
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: Any  # a GradScaler, disabled unless --amp fp16
+    steps_per_epoch: int
+    epoch: int = 0  # where training stands: in epoch `epoch` (0-based),
+    step: int = 0  # after `step` of its optimizer steps
+
+
+def fit(run, train_set, val_set, args, device, stop):
+    """Train from where `run` stands to the last epoch; after each epoch, save last.pt and validate."""
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
+    meter = Throughput(images_per_step, args.epochs * run.steps_per_epoch, device)
+    for epoch in range(run.epoch, args.epochs):
+        run.epoch, epoch_start = epoch, time.perf_counter()
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        # The loader's own generator seeds its workers: building a loader must not advance the
+        # global RNG, which a resume restores.
+        worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=steps_left(sampler, run, args),
+                            num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
+                            generator=torch.Generator().manual_seed(worker_seed))
+        train_loss, stopped = train_one_epoch(run, loader, args, device, meter, stop)
+        if stopped:
+            save_checkpoint(run, args)
+            log(f"stopped by SIGTERM at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}; "
+                f"continue with --resume {last_checkpoint(args)}")
+            return
+        run.epoch, run.step = epoch + 1, 0
+        with meter.paused():
+            checksums = replica_checksums(run.model)
+            sync_buffers(run.model.module)
+            # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
+            save_checkpoint(run, args)
+            metrics = validate(run.model.module, val_set, args, device)
+        rate = meter.images_per_sec()
+        record = {"epoch": epoch + 1, "train_loss": train_loss, **metrics, "images_per_sec": rate,
+                  "epoch_seconds": time.perf_counter() - epoch_start, "replica_checksums": checksums}
+        append_metrics(args, record)
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss {float('nan') if train_loss is None else train_loss:.4f} "
+            f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
+            f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
+            f"{'-' if rate is None else f'{rate:.1f}'} img/s {record['epoch_seconds']:.1f} s")
+        if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
+            log(f"stopped by SIGTERM after epoch {epoch + 1}; continue with --resume {last_checkpoint(args)}")
+            return
+
+
+def steps_left(sampler, run, args):
+    """This rank's shard for the epoch, as dataset indices: the steps a resume has already done are
+    skipped, and the end is cut to whole optimizer steps, so every rank runs the same number."""
+    per_step = args.batch_size * args.accum_steps
+    return list(sampler)[run.step * per_step: run.steps_per_epoch * per_step]
+
+
+def train_one_epoch(run, loader, args, device, meter, stop):
+    """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM.
+
+    Returns the loss averaged over this call's steps and over ranks (None if no step ran), and
+    whether to stop.
+    """
+    run.model.train()
+    autocast = amp_context(args, device)
+    first_step = run.step
+    loss_sum, step_loss = torch.zeros((), device=device), torch.zeros((), device=device)
+    for i, (images, labels) in enumerate(loader):
+        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
+        labels = labels.to(device, non_blocking=True)
+        last_micro_step = (i + 1) % args.accum_steps == 0
+        # Gradients of the earlier micro-batches only accumulate locally; one all-reduce per step.
+        with nullcontext() if last_micro_step else run.model.no_sync():
+            with autocast:
+                loss = F.cross_entropy(run.model(images), labels)
+            run.scaler.scale(loss / args.accum_steps).backward()
+        step_loss += loss.detach() / args.accum_steps
+        if not last_micro_step:
+            continue
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scheduler.step()
+        run.step += 1
+        meter.step()
+        if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
+            # Detached: reducing the live loss would put the collective into the autograd graph.
+            mean_loss = gather_utils.all_reduce_mean(step_loss).item()
+            global_step = run.epoch * run.steps_per_epoch + run.step
+            rate = meter.images_per_sec()
+            log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
+                f"({global_step}/{meter.total_steps}) loss {mean_loss:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} "
+                f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step, rate)}")
+        loss_sum += step_loss
+        step_loss.zero_()
+        if stop.agreed():
+            return None, True
+    if run.step == first_step:
+        return None, False
+    return gather_utils.all_reduce_mean(loss_sum / (run.step - first_step)).item(), False
+
+
+@torch.no_grad()
+def validate(model, val_set, args, device):
+    """Loss, top-1 and top-5 over every val image exactly once, equal on every rank.
+
+    DistributedSampler pads the shards with repeated images so that every rank runs the same
+    number of batches; gather_for_metrics puts the per-image rows back in dataset order and
+    drops those repeats, so the averages are what a single process would compute.
+    """
+    model.eval()
+    autocast = amp_context(args, device)
+    indices = list(DistributedSampler(val_set, shuffle=False))
+    loader = DataLoader(val_set, batch_size=args.batch_size, sampler=indices, num_workers=args.workers,
+                        pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(args.seed))
+    rows = []
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
+        labels = labels.to(device, non_blocking=True)
+        with autocast:
+            logits = model(images).float()
+        hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
+    rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices, device=device), len(val_set))
+    loss, acc1, acc5 = rows.mean(dim=0).tolist()
+    return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5, "val_samples": len(rows)}
+
+
+def evaluate(model, val_set, args, device, checkpoint):
+    metrics = validate(model, val_set, args, device)
+    append_metrics(args, {"epoch": checkpoint["epoch"], **metrics})
+    log(json.dumps(metrics))
+
+
+def amp_context(args, device):
+    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def memory_format(args):
+    return torch.channels_last if args.channels_last else torch.contiguous_format
+
+
+def is_main():
+    return dist.get_rank() == 0
+
+
+def log(message):
+    if is_main():
+        print(message, flush=True)
+
+
+def append_metrics(args, record):
+    if is_main() and args.metrics_file:
+        with open(args.metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+# ---------------------------------------------------------------- 7. checkpoints
+def save_checkpoint(run, args):
+    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact."""
+    rng = gather_utils.all_gather_object(rng_state())  # each rank continues its own random stream
+    if is_main():
+        state = {"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict(),
+                 "scaler": run.scaler.state_dict(), "epoch": run.epoch, "step": run.step,
+                 "world_size": dist.get_world_size(), "args": vars(args), "rng": rng,
+                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        path = last_checkpoint(args)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    dist.barrier()  # no rank goes on, or exits, before the checkpoint is complete
+
+
+def last_checkpoint(args):
+    return Path(args.checkpoint_dir) / "last.pt"
+
+
+def rng_state():
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def load_checkpoint(args):
+    """The checkpoint to resume from (None for a fresh start), read on every rank; sets args.resume to its path.
+
+    That is --resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt,
+    once it has one.
+    """
+    path = resume_path(args)
+    if path is None:
+        return None
+    if not path.is_file():
+        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    if not isinstance(checkpoint, dict) or "arch" not in checkpoint.get("args", {}):
+        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected a dict with args.arch)")
+    if checkpoint["args"]["arch"] != args.arch:
+        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
+    missing = CHECKPOINT_KEYS - set(checkpoint)
+    if missing:
+        fail(f"--resume {path}: not a complete train_ddp.py checkpoint (missing {', '.join(sorted(missing))})")
+    args.resume = str(path)  # a str: the checkpoint saves args, and weights_only loads no Path
+    return checkpoint
+
+
+def restore_training_state(checkpoint, optimizer, scaler, args):
+    """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler starts from its defaults
+        scaler.load_state_dict(checkpoint["scaler"])
+    rng = checkpoint["rng"]
+    if dist.get_rank() < len(rng):
+        torch.set_rng_state(rng[dist.get_rank()]["torch"])
+        if torch.cuda.is_available() and rng[dist.get_rank()]["cuda"] is not None:
+            torch.cuda.set_rng_state(rng[dist.get_rank()]["cuda"])
+    # A step within the epoch names the same images only with the same shards and batches.
+    saved = checkpoint["world_size"], checkpoint["args"]["batch_size"], checkpoint["args"]["accum_steps"]
+    same_layout = saved == (dist.get_world_size(), args.batch_size, args.accum_steps)
+    return checkpoint["epoch"], checkpoint["step"] if same_layout else 0
+
+
+# =================================================================================================
+# What guards the story: bad input, failures, signals, and what the log reports.
+
+
+def env_rank():
+    """This process's global rank, known before the process group exists."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def fail(message):
+    """Every rank sees the same bad input, so only rank 0 says so: one line instead of N tracebacks."""
+    if env_rank() == 0:
+        print(f"train_ddp.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def rank_error(message, code=1):
+    """An error of this rank's own, which the others may not see: each rank says it, one line each."""
+    print(f"train_ddp.py: error: rank {env_rank()}: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def check_args(args):
@@ -266,102 +769,6 @@ def resume_path(args):
     return Path(args.resume) if args.resume else None
 
 
-def load_checkpoint(path, args):
-    """Read the checkpoint to resume from before the process group forms, so a bad file fails fast."""
-    if path is None:
-        return None
-    if not path.is_file():
-        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    if not isinstance(checkpoint, dict) or "arch" not in checkpoint.get("args", {}):
-        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected a dict with args.arch)")
-    if checkpoint["args"]["arch"] != args.arch:
-        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
-    missing = CHECKPOINT_KEYS - set(checkpoint)
-    if missing:
-        fail(f"--resume {path}: not a complete train_ddp.py checkpoint (missing {', '.join(sorted(missing))})")
-    return checkpoint
-
-
-# ---------------------------------------------------------------- 2. device
-def setup_device(args):
-    # Before any CUDA work: otherwise every rank creates its context and tensors on GPU 0.
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    # Under SLURM with one GPU per task every task sees a single GPU, whatever its local rank;
-    # under torchrun, LOCAL_WORLD_SIZE says how many processes share this machine's GPUs.
-    one_per_task = torch.cuda.device_count() == 1 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1
-    index = 0 if one_per_task else args.local_rank
-    if index >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
-        rank_error(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
-                   "start at most one process per GPU", code=2)
-    torch.cuda.set_device(index)
-    torch.backends.cudnn.benchmark = True  # fixed input sizes: time the conv kernels once, keep the fastest
-    return torch.device("cuda", index)
-
-
-# ---------------------------------------------------------------- 3. process group
-def world_from_env():
-    """Global rank and world size: torchrun's variables, else those of an srun task, else one process.
-
-    A batch script sees SLURM_NTASKS and SLURM_PROCID=0 too, but they count the job's tasks and
-    the script runs once; only srun's tasks have SLURM_STEP_ID.
-    """
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if "SLURM_STEP_ID" in os.environ:
-        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
-    return 0, 1
-
-
-def init_distributed(args, device):
-    rank, world_size = world_from_env()
-    # With NCCL, device_id (torch 2.3 and later) binds the communicator to this rank's GPU at once.
-    bind = {}
-    if device.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
-        bind = {"device_id": device}
-    if world_size == 1 and "MASTER_ADDR" not in os.environ:
-        # No launcher: a one-process group on an in-memory store, so no port is needed.
-        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
-        return
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (README)")
-    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    try:
-        # The rendezvous store gets the short --init-timeout; the collectives keep the default
-        # (30 min gloo, 10 min NCCL), so a rank that is merely slow never trips them.
-        timeout = datetime.timedelta(seconds=args.init_timeout)
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        # torchrun (2.14) keeps one store across restarts (MAX_RESTARTS): without a prefix per
-        # attempt, a restarted rank finds the previous attempt's addresses and cannot connect.
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, **bind)
-        dist.barrier()
-        # On NCCL, gather_utils' CPU collectives run on a gloo group that its first call forms:
-        # form it here, so that a network problem shows now, as one line.
-        gather_utils.all_gather_object(None)
-    except (RuntimeError, ValueError) as e:
-        rank_error(init_failure(e, args, world_size, address))
-
-
-@contextmanager
-def process_group(args, device):
-    init_distributed(args, device)
-    try:
-        yield
-        # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits
-        # for the group's worker threads, one of which may still be freeing the last collectives'
-        # tensors, which needs the GIL. This barrier's work keeps those tensors alive until
-        # `finished` is freed, after the group. (The DDP model holds the group too: it is freed by now.)
-        finished = dist.barrier(async_op=True)
-        finished.wait()
-    finally:
-        dist.destroy_process_group()
-
-
 def init_failure(error, args, world_size, address):
     """Why the process group did not form, in one line that says what to change."""
     text = str(error)
@@ -401,205 +808,6 @@ def check_same_start(checkpoint):
              "file, and a --checkpoint-dir they all see (a shared filesystem)")
 
 
-def is_main():
-    return dist.get_rank() == 0
-
-
-def log(message):
-    if is_main():
-        print(message, flush=True)
-
-
-# ---------------------------------------------------------------- 4. data
-class SyntheticImages(Dataset):
-    """A learnable stand-in for ImageNet: a smooth pattern per class plus per-sample noise.
-
-    Sample i is computed on demand from (seed, split, i), so every rank and every run sees the
-    same data without storing or downloading anything. Labels cycle through the classes.
-    """
-
-    def __init__(self, num_samples, num_classes, image_size, seed, split):
-        coarse = torch.randn(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
-        self.patterns = F.interpolate(coarse, size=image_size, mode="bilinear", align_corners=False)
-        self.num_samples = num_samples
-        self.noise_seed = (seed * 2 + (split == "val") + 1) << 32
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, index):
-        label = index % len(self.patterns)
-        noise = torch.randn(self.patterns.shape[1:], generator=torch.Generator().manual_seed(self.noise_seed + index))
-        return self.patterns[label] + SYNTHETIC_NOISE * noise, label
-
-
-def build_datasets(args):
-    if not args.data:
-        return (SyntheticImages(args.train_samples, args.num_classes, args.image_size, args.seed, "train"),
-                SyntheticImages(args.val_samples, args.num_classes, args.image_size, args.seed, "val"))
-    size = args.image_size
-    if size <= SMALL_IMAGE_MAX_SIZE:  # the whole image (squared at size), padded by 1/8 and cropped back
-        val_crop = [transforms.Resize(size), transforms.CenterCrop(size)]
-        train_crop = val_crop + [transforms.RandomCrop(size, padding=size // 8)]
-    else:  # ImageNet's recipe
-        train_crop = [transforms.RandomResizedCrop(size)]
-        val_crop = [transforms.Resize(size * 256 // 224), transforms.CenterCrop(size)]
-    flip = [] if args.no_flip else [transforms.RandomHorizontalFlip()]
-    to_tensor = [transforms.ToTensor(), transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])]
-    root = Path(args.data)
-    # A class without validation images keeps its label (check_image_folder matched the folders).
-    options = {"allow_empty": True} if IMAGE_FOLDER_ALLOWS_EMPTY else {}
-    return (torchvision.datasets.ImageFolder(root / "train", transforms.Compose(train_crop + flip + to_tensor),
-                                             **options),
-            torchvision.datasets.ImageFolder(root / "val", transforms.Compose(val_crop + to_tensor), **options))
-
-
-def describe_recipe(args):
-    """The training augmentation, for the log's start line."""
-    if not args.data:
-        return "synthetic data"
-    if args.image_size <= SMALL_IMAGE_MAX_SIZE:
-        recipe = f"small-image recipe (pad {args.image_size // 8} px, random crop"
-    else:
-        recipe = "ImageNet recipe (random resized crop"
-    return recipe + ("" if args.no_flip else ", flip") + ")"
-
-
-def make_loader(dataset, indices, args, device, drop_last, seed):
-    # The sampler is a plain list of dataset indices: this rank's DistributedSampler shard,
-    # minus the steps already done when resuming mid-epoch. The loader's own generator seeds its
-    # workers, so building a loader never advances the global RNG that a resume restores.
-    return DataLoader(dataset, batch_size=args.batch_size, sampler=indices, num_workers=args.workers,
-                      pin_memory=device.type == "cuda", drop_last=drop_last,
-                      generator=torch.Generator().manual_seed(seed))
-
-
-# ---------------------------------------------------------------- 5. model, DDP, hooks
-class CPUSyncBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs).
-
-    The sums travel through a differentiable all-reduce, so the backward pass is synchronized too.
-    Made for the BatchNorm2d layers of torchvision models: affine, with a running-average momentum.
-    """
-
-    def forward(self, x):
-        if not self.training:
-            return super().forward(x)
-        c, xf = x.shape[1], x.float()
-        count = torch.tensor([x.numel() / c], device=x.device)
-        totals = dist_nn.all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
-        n = totals[-1]
-        mean = totals[:c] / n
-        var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0
-        with torch.no_grad():
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * n / (n - 1), self.momentum)
-            self.num_batches_tracked += 1
-        scale = self.weight * torch.rsqrt(var + self.eps)
-        return (xf * scale.view(1, c, 1, 1) + (self.bias - mean * scale).view(1, c, 1, 1)).to(x.dtype)
-
-
-def convert_to_cpu_sync_bn(module):
-    """Swap every BatchNorm2d for a CPUSyncBatchNorm with the same state (and state_dict keys)."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.BatchNorm2d):
-            sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum)
-            sync.load_state_dict(child.state_dict())
-            setattr(module, name, sync)
-        else:
-            convert_to_cpu_sync_bn(child)
-    return module
-
-
-def build_model(args):
-    """The bare model on the CPU: what a checkpoint stores and what bench scripts reuse."""
-    torch.manual_seed(args.seed)
-    return torchvision.models.get_model(args.arch, weights=None, num_classes=num_classes(args))
-
-
-def num_classes(args):
-    if not args.data:
-        return args.num_classes
-    return len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
-
-
-def wrap_ddp(model, args, device, warmup_steps):
-    if args.sync_bn:
-        if device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
-            model = convert_to_cpu_sync_bn(model)
-    model = model.to(device, memory_format=memory_format(args))
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    register_comm_hook(ddp, args.comm_hook, warmup_steps)
-    return ddp
-
-
-def register_comm_hook(ddp, name, warmup_steps):
-    """Replace DDP's plain all-reduce of gradients by the hook `name` (none, fp16, bf16, powersgd)."""
-    if name == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif name == "powersgd":
-        # The state object lives as long as the model: it carries the error feedback and the
-        # warm-started low-rank factors from step to step. Plain all-reduce during the lr warm-up.
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                            start_powerSGD_iter=max(2, warmup_steps))
-        hook = powerSGD_hook.powerSGD_hook
-        ddp.register_comm_hook(state, hook if dist.get_backend() == "nccl" else one_bucket_at_a_time(hook))
-
-
-def one_bucket_at_a_time(hook):
-    """PowerSGD chains two all-reduces per bucket through callbacks. Gloo matches collectives
-    by issue order, which the callbacks of concurrent buckets make differ between ranks, so on
-    gloo each bucket finishes before the next one starts."""
-    def sequential_hook(state, bucket):
-        future = hook(state, bucket)
-        future.wait()
-        return future
-    return sequential_hook
-
-
-def warmup_cosine(step, warmup_steps, total_steps):
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model, args):
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    enabled = args.amp == "fp16"
-    if hasattr(torch.amp, "GradScaler"):  # torch 2.3 and later
-        scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=enabled)
-    else:  # CUDA only; check_args refuses --amp fp16 on CPU there
-        scaler = torch.cuda.amp.GradScaler(enabled=enabled)
-    return optimizer, scaler
-
-
-def build_scheduler(optimizer, args, steps_per_epoch, warmup_steps, steps_done):
-    """The lr of each optimizer step, placed after `steps_done` steps of this run's layout.
-
-    Placed, not loaded from the checkpoint: a resume on other ranks or batches has other steps
-    per epoch, and the saved count of the old ones would put the cosine out of step.
-    """
-    schedule = functools.partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=args.epochs * steps_per_epoch)
-    # A resumed optimizer carries each group's initial_lr, which LambdaLR needs to start mid-way.
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule, last_epoch=steps_done - 1)
-
-
-def steps_per_epoch(train_set, args):
-    """Optimizer steps per epoch: the same on every rank, as DistributedSampler gives equal shards."""
-    shard = math.ceil(len(train_set) / dist.get_world_size())
-    steps = shard // (args.batch_size * args.accum_steps)
-    if steps == 0:
-        fail(f"the train set ({len(train_set)} images over {dist.get_world_size()} ranks) is smaller than one step of "
-             f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} per rank")
-    return steps
-
-
-# ---------------------------------------------------------------- 6. train and validate
 class SigtermStop:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; after
     every optimizer step, and after each validation but the last, the ranks gather the notes, so
@@ -657,87 +865,7 @@ class Throughput:
     def eta(self, done, rate):
         if rate is None:
             return "?"
-        seconds = (self.total_steps - done) * self.images_per_step / rate
-        return str(datetime.timedelta(seconds=round(seconds)))
-
-
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, args, epoch, first_step, steps, meter, stop):
-    """Train from step first_step to the end of the epoch, or until a SIGTERM.
-
-    Returns the loss averaged over ranks (None if no step ran), the steps done and whether to stop.
-    """
-    model.train()
-    device = next(model.parameters()).device
-    autocast = amp_context(args, device)
-    loss_sum, step_loss, done = torch.zeros((), device=device), torch.zeros((), device=device), first_step
-    for i, (images, labels) in enumerate(loader):
-        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
-        labels = labels.to(device, non_blocking=True)
-        last_micro_step = (i + 1) % args.accum_steps == 0
-        # Gradients of the earlier micro-batches only accumulate locally; one all-reduce per step.
-        with nullcontext() if last_micro_step else model.no_sync():
-            with autocast:
-                loss = F.cross_entropy(model(images), labels)
-            scaler.scale(loss / args.accum_steps).backward()
-        step_loss += loss.detach() / args.accum_steps
-        if not last_micro_step:
-            continue
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        done += 1
-        meter.step()
-        if done % args.log_every == 0 or done == steps:
-            # Detached: reducing the live loss would put the collective into the autograd graph.
-            mean_loss = gather_utils.all_reduce_mean(step_loss).item()
-            global_step = epoch * steps + done
-            rate = meter.images_per_sec()
-            log(f"epoch {epoch + 1}/{args.epochs} step {done}/{steps} ({global_step}/{meter.total_steps}) "
-                f"loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.4g} "
-                f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step, rate)}")
-        loss_sum += step_loss
-        step_loss.zero_()
-        if stop.agreed():
-            return None, done, True
-    if done == first_step:
-        return None, done, False
-    mean = gather_utils.all_reduce_mean(loss_sum / (done - first_step)).item()
-    return mean, done, False
-
-
-@torch.no_grad()
-def validate(model, val_set, args, device):
-    """Loss, top-1 and top-5 over every val image exactly once, equal on every rank.
-
-    DistributedSampler pads the shards with repeated images so that every rank runs the same
-    number of batches; gather_for_metrics puts the per-image rows back in dataset order and
-    drops those repeats, so the averages are what a single process would compute.
-    """
-    model.eval()
-    autocast = amp_context(args, device)
-    indices = list(DistributedSampler(val_set, shuffle=False))
-    rows = []
-    for images, labels in make_loader(val_set, indices, args, device, drop_last=False, seed=args.seed):
-        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
-        labels = labels.to(device, non_blocking=True)
-        with autocast:
-            logits = model(images).float()
-        hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
-        loss = F.cross_entropy(logits, labels, reduction="none")
-        rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
-    rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices, device=device), len(val_set))
-    loss, acc1, acc5 = rows.mean(dim=0).tolist()
-    return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5, "val_samples": len(rows)}
-
-
-def amp_context(args, device):
-    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def memory_format(args):
-    return torch.channels_last if args.channels_last else torch.contiguous_format
+        return str(datetime.timedelta(seconds=round((self.total_steps - done) * self.images_per_step / rate)))
 
 
 def replica_checksums(model):
@@ -759,149 +887,40 @@ def sync_buffers(model):
         dist.broadcast(buffer, src=0)
 
 
-def append_metrics(args, record):
-    if is_main() and args.metrics_file:
-        with open(args.metrics_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+class CPUSyncBatchNorm(nn.BatchNorm2d):
+    """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs).
 
-
-# ---------------------------------------------------------------- 7. checkpoints
-def save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, step):
-    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact.
-
-    epoch and step say where to continue: epoch `epoch` (0-based) after `step` optimizer steps.
+    The sums travel through a differentiable all-reduce, so the backward pass is synchronized too.
+    Made for the BatchNorm2d layers of torchvision models: affine, with a running-average momentum.
     """
-    rng = gather_utils.all_gather_object(rng_state())  # each rank continues its own random stream
-    if is_main():
-        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                 "epoch": epoch, "step": step, "world_size": dist.get_world_size(),
-                 "args": vars(args), "rng": rng, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
-        path = last_checkpoint(args)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    dist.barrier()  # no rank goes on, or exits, before the checkpoint is complete
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        c, xf = x.shape[1], x.float()
+        count = torch.tensor([x.numel() / c], device=x.device)
+        totals = dist_nn.all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
+        n = totals[-1]
+        mean = totals[:c] / n
+        var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var * n / (n - 1), self.momentum)
+            self.num_batches_tracked += 1
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        return (xf * scale.view(1, c, 1, 1) + (self.bias - mean * scale).view(1, c, 1, 1)).to(x.dtype)
 
 
-def last_checkpoint(args):
-    return Path(args.checkpoint_dir) / "last.pt"
-
-
-def rng_state():
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def restore_training_state(checkpoint, optimizer, scaler, args):
-    """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler starts from its defaults
-        scaler.load_state_dict(checkpoint["scaler"])
-    rng = checkpoint["rng"]
-    if dist.get_rank() < len(rng):
-        torch.set_rng_state(rng[dist.get_rank()]["torch"])
-        if torch.cuda.is_available() and rng[dist.get_rank()]["cuda"] is not None:
-            torch.cuda.set_rng_state(rng[dist.get_rank()]["cuda"])
-    # A step within the epoch names the same images only with the same shards and batches.
-    saved = checkpoint["world_size"], checkpoint["args"]["batch_size"], checkpoint["args"]["accum_steps"]
-    same_layout = saved == (dist.get_world_size(), args.batch_size, args.accum_steps)
-    return checkpoint["epoch"], checkpoint["step"] if same_layout else 0
-
-
-# ---------------------------------------------------------------- the story
-def fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps,
-        stop):
-    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=False)
-    per_step = args.batch_size * args.accum_steps  # images per optimizer step on each rank
-    meter = Throughput(per_step * dist.get_world_size(), args.epochs * steps, device)
-    for epoch in range(start_epoch, args.epochs):
-        epoch_start = time.perf_counter()
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        indices = list(sampler)[start_step * per_step: steps * per_step]
-        loader = make_loader(train_set, indices, args, device, drop_last=True,
-                             seed=args.seed + epoch * dist.get_world_size() + dist.get_rank())
-        train_loss, done, stopped = train_one_epoch(model, loader, optimizer, scheduler, scaler, args,
-                                                    epoch, start_step, steps, meter, stop)
-        start_step = 0
-        if stopped:
-            save_checkpoint(model, optimizer, scheduler, scaler, args, epoch, done)
-            log(f"stopped by SIGTERM at epoch {epoch + 1} step {done}/{steps}; "
-                f"continue with --resume {last_checkpoint(args)}")
-            return
-        with meter.paused():
-            checksums = replica_checksums(model)
-            sync_buffers(model.module)
-            # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
-            save_checkpoint(model, optimizer, scheduler, scaler, args, epoch + 1, 0)
-            metrics = validate(model.module, val_set, args, device)
-        rate = meter.images_per_sec()
-        record = {"epoch": epoch + 1, "train_loss": train_loss, **metrics,
-                  "images_per_sec": rate, "epoch_seconds": time.perf_counter() - epoch_start,
-                  "replica_checksums": checksums}
-        append_metrics(args, record)
-        log(f"epoch {epoch + 1}/{args.epochs} train_loss {float('nan') if train_loss is None else train_loss:.4f} "
-            f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
-            f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
-            f"{'-' if rate is None else f'{rate:.1f}'} img/s {record['epoch_seconds']:.1f} s")
-        if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
-            log(f"stopped by SIGTERM after epoch {epoch + 1}; "
-                f"continue with --resume {last_checkpoint(args)}")
-            return
-
-
-def evaluate(model, val_set, args, device, checkpoint):
-    metrics = validate(model, val_set, args, device)
-    append_metrics(args, {"epoch": checkpoint["epoch"], **metrics})
-    log(json.dumps(metrics))
-
-
-def train_or_evaluate(args, device, stop, resume_from, checkpoint):
-    """Steps 4 to 7, in a function of their own: the DDP model holds the process group, and must be
-    freed before process_group() destroys it."""
-    check_same_start(checkpoint)
-    train_set, val_set = build_datasets(args)
-    steps = steps_per_epoch(train_set, args)
-    model = build_model(args)
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-    torch.manual_seed(args.seed + dist.get_rank())  # same initial weights, then one random stream per rank
-    if args.evaluate:
-        return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
-    warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
-    model = wrap_ddp(model, args, device, warmup_steps)
-    optimizer, scaler = build_optimizer(model, args)
-    start_epoch, start_step = 0, 0
-    if checkpoint:
-        start_epoch, start_step = restore_training_state(checkpoint, optimizer, scaler, args)
-        log(f"resumed from {resume_from} at epoch {start_epoch + 1} step {start_step}")
-        # The model and optimizer have what they need: free the rest for the whole run (emptied, since
-        # main() holds the dict too).
-        checkpoint.clear()
-    scheduler = build_scheduler(optimizer, args, steps, warmup_steps, start_epoch * steps + start_step)
-    log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
-        f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
-        f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
-    fit(model, optimizer, scheduler, scaler, train_set, val_set, args, device, start_epoch, start_step, steps, stop)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    resume_from = resume_path(args)
-    checkpoint = load_checkpoint(resume_from, args)
-    if args.dry_run:
-        return
-    # Noted from here on, so that a SIGTERM while the group, data and model are set up still
-    # stops training cleanly, at its first step; so does one held since start-up (top of file).
-    stop = None if args.evaluate else SigtermStop()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    device = setup_device(args)
-    with process_group(args, device):
-        train_or_evaluate(args, device, stop, resume_from, checkpoint)
+def convert_to_cpu_sync_bn(module):
+    """Swap every BatchNorm2d for a CPUSyncBatchNorm with the same state (and state_dict keys)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum)
+            sync.load_state_dict(child.state_dict())
+            setattr(module, name, sync)
+        else:
+            convert_to_cpu_sync_bn(child)
+    return module
 
 
 if __name__ == "__main__":
