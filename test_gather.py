@@ -523,7 +523,7 @@ def full(n, value, device):
 
 def on_gloo(group):
     """Whether gather_utils moves this group's data over gloo (it uses the CPU whenever it can)."""
-    return gu._device_backends(group).get(gu._setup("", group).type) == "gloo"
+    return gu._device_backends(group).get(gu._collective_device("", group).type) == "gloo"
 
 
 def check_small_payloads_ride_in_the_header(device, group=None):
@@ -560,9 +560,7 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     out, n = collectives_run(group, gu.gather_for_metrics, indices.float().to(device), indices, 10 * world)
     assert n == 1 and torch.equal(out, torch.arange(10 * world, device=device).float())
     # On an NCCL-only group of every rank, all_gather_object runs on a gloo group of its own.
-    out, n = collectives_run(
-        group, gu.all_gather_object, {"rank": rank}, counted=gu._object_route(group, gu._setup("", group))[0]
-    )
+    out, n = collectives_run(group, gu.all_gather_object, {"rank": rank}, counted=gu._object_transport("", group)[0])
     assert n == 1 and out == [{"rank": r} for r in range(world)]
 
 
