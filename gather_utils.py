@@ -64,12 +64,12 @@ def _initialized():
 
 
 def get_rank(group=None):
-    """This process's rank in `group`; 0 when torch.distributed is unavailable or not initialized."""
+    """This process's rank in `group` (no collective); 0 when torch.distributed is unavailable or not initialized."""
     return dist.get_rank(group) if _initialized() else 0
 
 
 def get_world_size(group=None):
-    """The number of ranks in `group`; 1 when torch.distributed is unavailable or not initialized."""
+    """The number of ranks in `group` (no collective); 1 when torch.distributed is unavailable or not initialized."""
     return dist.get_world_size(group) if _initialized() else 1
 
 
@@ -380,11 +380,8 @@ def _all_gather_equal(out, inp, group):
 
 
 def _gather_bytes(payload, sizes, group, carried, to_result=lambda packed: packed):
-    """Start gathering every rank's data, `sizes[r]` bytes from rank r, into a GatherHandle.
-
-    `payload` and `carried` are what `_exchange_headers` returned. The handle's `wait()` returns `to_result(packed)`,
-    `packed` being all ranks' bytes in rank order.
-    """
+    """Start gathering every rank's data, `sizes[r]` bytes from rank r, after `_exchange_headers` returned `payload`
+    and `carried`. Returns a GatherHandle whose `wait()` gives `to_result(packed)`, all ranks' bytes in rank order."""
     if carried is None:  # no process group
         return GatherHandle([], lambda: to_result(payload.clone()))
     largest = max(sizes)
@@ -434,11 +431,9 @@ def _collective_device(name, group, tensor=None):
 
 
 def _device_backends(group):
-    """{device type: backend name} of `group`, e.g. {"cpu": "gloo", "cuda": "nccl"}.
-
-    From the backend config, not `get_backend`, which says "undefined" for a group made by `init_process_group()`
-    without a backend (on torch 2.14: gloo on a machine without GPUs, NCCL alone on one with them).
-    """
+    """{device type: backend name} of `group`, e.g. {"cpu": "gloo", "cuda": "nccl"}: from the backend config, not
+    `get_backend`, which says "undefined" for a group made by `init_process_group()` without a backend (on torch 2.14:
+    gloo on a machine without GPUs, NCCL alone on one with them)."""
     config = str(dist.get_backend_config(group)) if hasattr(dist, "get_backend_config") else ""
     backends = _parse_backend_config(config)
     if backends is not None:
