@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
+from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
     free_port, kill_pids, kill_tree, load, metrics, ok, run, torchrun
 
 # TINY with 16 steps per epoch: these tests are about stopping and resuming, not accuracy.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import LAUNCH, TRAIN, assert_same_weights, clean_env, free_port, load
+from conftest import LAUNCH, TRAIN, assert_same_weights, clean_env, free_port, load
 
 SMALL = ["--arch", "resnet18", "--train-samples", "64", "--val-samples", "16", "--batch-size", "8", "--epochs", "1"]
 # 256 steps per epoch on 2 ranks, a step per log line: a job that is still training when stopped.

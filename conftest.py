@@ -1,0 +1,125 @@
+"""Helpers shared by test_train.py, test_failures.py and test_slurm.py: the scripts under test,
+the tiny training run, and starting, waiting for and killing their processes. test_gather.py
+stays self-contained: users copy it with gather_utils.py alone.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+TRAIN = str(HERE / "train_ddp.py")
+LAUNCH = str(HERE / "launch.sh")
+# 2 ranks x 32 steps x 2 epochs: enough for the synthetic task to be learned (val acc1 ~100%).
+TINY = ["--arch", "resnet18", "--train-samples", "512", "--val-samples", "50", "--batch-size", "8",
+        "--epochs", "2", "--log-every", "4"]
+RUN_TIMEOUT = 120
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra):
+    """No launcher's or SLURM's variables, one thread per rank, and no GPU: these are CPU tests,
+    and with a GPU --backend auto would pick NCCL and the GPU defaults."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
+                                                                     "SLURM_", "NNODES", "NODE_RANK", "MAX_RESTARTS"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def start(cmd, env=None, cwd=None):
+    """Start cmd in its own process group, so the test can kill it with all its workers."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or clean_env(), cwd=cwd or HERE, start_new_session=True)
+
+
+def descendants(pid):
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    children = {}
+    for child, parent in zip(map(int, table[::2]), map(int, table[1::2])):
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(proc, sig=signal.SIGKILL):
+    """torchrun starts each worker in its own session, so killing its process group is not enough."""
+    kill_pids([proc.pid, *descendants(proc.pid)], sig)
+
+
+def kill_pids(pids, sig=signal.SIGKILL):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def finish(proc, timeout, began=None):
+    began = began or time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=max(1, timeout - (time.monotonic() - began)))
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {proc.args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+    return Result(proc.returncode, out, err, time.monotonic() - began)
+
+
+def run(cmd, timeout=RUN_TIMEOUT, env=None, cwd=None):
+    began = time.monotonic()
+    return finish(start(cmd, env, cwd), timeout, began)
+
+
+def torchrun(nproc, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), TRAIN,
+            *map(str, args)]
+
+
+def ok(result):
+    assert result.returncode == 0, \
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    return result
+
+
+def metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_weights(a, b, exact=True, **tolerance):
+    assert a.keys() == b.keys()
+    for key in a:
+        if exact:
+            assert torch.equal(a[key], b[key]), key
+        else:
+            torch.testing.assert_close(a[key].double(), b[key].double(), msg=key, **tolerance)
