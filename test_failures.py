@@ -305,7 +305,8 @@ BAD_INPUTS = {
     "workers beyond /dev/shm": (["2", "--workers", "8", "--batch-size", "4096", "--image-size", "224"],
                                 "--workers 8: 2 process(es) x 17 batches of 2352 MB need 79968 MB of /dev/shm"),
     "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],
-                                    "--checkpoint-dir: cannot write under {root}/a_file; expected a writable directory"),
+                                    "--checkpoint-dir: cannot write under {root}/a_file; "
+                                    "expected a writable directory"),
     "resume missing": (["2", "--resume", "{root}/none.pt"], "--resume {root}/none.pt: no such file"),
     "resume corrupt": (["2", "--resume", "{root}/corrupt.pt"], "--resume {root}/corrupt.pt: not a readable checkpoint"),
     "resume other arch": (["2", "--resume", "{root}/resnet18.pt"],
