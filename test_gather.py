@@ -5,15 +5,17 @@
     torchrun --nproc_per_node 1 test_gather.py --backend nccl   # NCCL (one process per GPU)
 
 Rank 0 prints each failing check and, last, `N passed, N failed`; the exit code is non-zero
-on any failure. pytest collects this file too: its `test_*` functions start torchrun for
-world sizes 1 to 4 on gloo, run every check in-process without a process group (a world of
-one), and run the GPU variants when CUDA is present.
+on any failure. With `--report PATH`, rank 0 also writes each check's result there as JSON.
+pytest collects this file too: its `test_*` functions start torchrun for world sizes 1 to 4 on
+gloo, run every check in-process without a process group (a world of one), and run the GPU
+variants when CUDA is present.
 """
 
 import argparse
 import copy
 import datetime
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -671,7 +673,7 @@ def checks_for(world):
     return plain + DISTRIBUTED_CHECKS + [without_header_room(check) for check in plain]
 
 
-def run_checks(device):
+def run_checks(device, report=None):
     checks = checks_for(dist.get_world_size())
     failures = {}
     for check in checks:
@@ -687,10 +689,17 @@ def run_checks(device):
     dist.all_gather_object(every_rank, failures)
     failed = sorted({name for f in every_rank for name in f})
     if dist.get_rank() == 0:
+        results = dict.fromkeys(check.__name__ for check in checks)
         for name in failed:
             ranks = [r for r, f in enumerate(every_rank) if name in f]
-            print(f"FAILED {name} on rank {ranks}:\n{every_rank[ranks[0]][name]}", flush=True)
+            results[name] = f"on rank {ranks}:\n{every_rank[ranks[0]][name]}"
+            print(f"FAILED {name} {results[name]}", flush=True)
         print(f"{len(checks) - len(failed)} passed, {len(failed)} failed", flush=True)
+        if report:
+            # Written whole, then renamed: a rank killed while writing leaves no half report.
+            with open(f"{report}.tmp", "w") as f:
+                json.dump(results, f, indent=1)
+            os.replace(f"{report}.tmp", report)
     return not failed
 
 
@@ -707,6 +716,9 @@ def main():
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, else cpu"
     )
+    parser.add_argument(
+        "--report", metavar="PATH", help="also write {check: null, or its failure} as JSON to PATH (rank 0)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
     if device.type == "cuda":
@@ -717,7 +729,7 @@ def main():
     backend = None if args.backend == "default" else args.backend
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     try:
-        ok = run_checks(device)
+        ok = run_checks(device, args.report)
         # As in train_ddp.py's process_group: held until the group is gone, the finishing barrier's
         # work keeps the last collectives' tensors from gloo's worker threads, which could otherwise
         # hang this rank's exit on torch 2.1 to 2.13.
