@@ -6,9 +6,9 @@
 
 Rank 0 prints each failing check and, last, `N passed, N failed`; the exit code is non-zero
 on any failure. With `--report PATH`, rank 0 also writes each check's result there as JSON.
-pytest collects this file too: its `test_*` functions start torchrun for world sizes 1 to 4 on
-gloo, run every check in-process without a process group (a world of one), and run the GPU
-variants when CUDA is present.
+pytest collects this file too: it starts torchrun once for each world size 1 to 4 on gloo and
+reports each check of each launch as a test of its own, runs every check in-process without a
+process group (a world of one), and runs the GPU variants when CUDA is present.
 """
 
 import argparse
@@ -748,6 +748,8 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
 def torchrun(nproc, *args, timeout=240, **env):
+    """This file under torchrun on `nproc` ranks: (exit code, stdout, stderr), the exit code None
+    when it ran past `timeout` and was killed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     # --standalone rendezvouses on a free local port, so parallel runs never collide.
     cmd = [
@@ -759,28 +761,65 @@ def torchrun(nproc, *args, timeout=240, **env):
         __file__,
         *args,
     ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(__file__) or "."
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
-    last = proc.stdout.strip().splitlines()[-1]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(__file__) or "."
+        )
+    except subprocess.TimeoutExpired as late:
+        # What it printed before the kill comes as bytes, even with text=True.
+        stdout, stderr = ((out or b"").decode(errors="replace") for out in (late.stdout, late.stderr))
+        return None, stdout, f"{stderr}\nkilled: still running after {timeout} s"
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_every_check_passed(nproc, *args):
+    code, stdout, stderr = torchrun(nproc, *args)
+    output = stdout + stderr
+    assert code == 0, output
+    last = stdout.strip().splitlines()[-1]
     assert last.endswith(" passed, 0 failed"), output
-    return int(last.split()[0])
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launched(nproc, *args, **env): (exit code, output, report) of this file under torchrun, run
+    once per configuration for all the tests of its checks, so that a test per check costs no
+    launch of its own."""
+    launches = {}
+
+    def launch(nproc, *args, **env):
+        key = (nproc, args, tuple(sorted(env.items())))
+        if key not in launches:
+            report = tmp_path_factory.mktemp("report") / "report.json"
+            code, stdout, stderr = torchrun(nproc, *args, "--report", str(report), **env)
+            launches[key] = code, stdout + stderr, json.loads(report.read_text()) if report.exists() else {}
+        return launches[key]
+
+    return launch
+
+
+def assert_check_passed(launch_result, world, name):
+    code, output, report = launch_result
+    assert sorted(report) == sorted(check.__name__ for check in checks_for(world)), f"exit {code}\n{output}"
+    assert report[name] is None, report[name]
+    # A failed check fails its own test (and makes the launch exit 1); any other exit is the launch's failure.
+    assert code == (0 if all(failure is None for failure in report.values()) else 1), f"exit {code}\n{output}"
+
+
+@pytest.mark.timeout(300)  # the first test of each world size waits for its launch
+@pytest.mark.parametrize(
+    "world, name", [(world, check.__name__) for world in [1, 2, 3, 4] for check in checks_for(world)]
+)
+def test_torchrun_gloo_cpu(launched, world, name):
+    assert_check_passed(launched(world), world, name)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_torchrun_gloo_cpu(world):
-    passed = torchrun(world)
-    assert passed == len(checks_for(world))
-
-
-@pytest.mark.timeout(300)
-def test_torchrun_default_backend():
+@pytest.mark.parametrize("name", [check.__name__ for check in checks_for(3)])
+def test_torchrun_default_backend(launched, name):
     """init_process_group() without a backend on a machine without GPUs: gloo, though get_backend()
     says "undefined". (With GPUs, torch 2.14 makes it NCCL alone.)"""
-    assert torchrun(3, "--backend", "default", CUDA_VISIBLE_DEVICES="") == len(checks_for(3))
+    assert_check_passed(launched(3, "--backend", "default", CUDA_VISIBLE_DEVICES=""), 3, name)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
@@ -821,13 +860,13 @@ def test_gather_utils_copied_alone_into_an_empty_folder(tmp_path):
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_torchrun_nccl():
-    torchrun(torch.cuda.device_count(), "--backend", "nccl")
+    assert_every_check_passed(torch.cuda.device_count(), "--backend", "nccl")
 
 
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_torchrun_gloo_cuda_tensors():
-    torchrun(2, "--backend", "gloo", "--device", "cuda")
+    assert_every_check_passed(2, "--backend", "gloo", "--device", "cuda")
 
 
 if __name__ == "__main__":
