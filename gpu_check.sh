@@ -88,7 +88,8 @@ verify sync_bn 'learned("sync_bn.jsonl", 2); assert "bn1.running_mean" in ck("sy
 
 step resume "${train[@]}" "${small[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
     --metrics-file "$work/fp32.jsonl"
-verify resume 'assert "at epoch 3 step 0" in log("resume"); learned("fp32.jsonl", 3); assert ck("fp32/last.pt")["epoch"] == 3'
+verify resume 'assert "at epoch 3 step 0" in log("resume"); learned("fp32.jsonl", 3)
+assert ck("fp32/last.pt")["epoch"] == 3'
 step evaluate "${train[@]}" "${small[@]}" --evaluate --resume "$work/fp32/last.pt" --metrics-file "$work/eval.jsonl"
 verify evaluate 'e, = m("eval.jsonl"); t = m("fp32.jsonl")[-1]
 assert e["epoch"] == 3 and e["val_samples"] == 256, e

@@ -534,7 +534,7 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     data_collectives = world if on_gloo(group) and world <= 4 else 1
     room = gu._header_room(world)
-    assert room == 8 << 10 or world > 8  # what the docstrings and README promise
+    assert room == 8 << 10 or world > 8  # what the docstrings and docs/gather.md promise
     floats = functools.partial(full, device=device)
 
     out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4, rank))

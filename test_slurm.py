@@ -42,7 +42,7 @@ def cluster():
 
 
 def submit(tmp_path, form, args, sbatch=(), kill_on_bad_exit=True):
-    """Submit a batch script that runs train_ddp.py in one of the README's two SLURM forms:
+    """Submit a batch script that runs train_ddp.py in one of the two SLURM forms of docs/launching.md:
     2 srun tasks, or one task running `launch.sh 2`. Returns the job id."""
     args = " ".join(map(str, [*args, "--checkpoint-dir", tmp_path]))
     if form == "srun":

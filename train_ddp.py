@@ -7,7 +7,7 @@
 Without --data it trains on a synthetic dataset generated in memory, so it runs anywhere.
 main() is the table of contents and the functions follow in the order it calls them:
 arguments, device, process group, data, model and DDP, training with exact validation,
-checkpoints, clean-up. The checks that guard the story come after it. README.md explains the flags.
+checkpoints, clean-up. The checks that guard the story come after it. docs/training.md explains the flags.
 """
 import signal
 
@@ -88,7 +88,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description="DDP training of a torchvision classifier (see README.md).")
+    p = ArgumentParser(description="DDP training of a torchvision classifier (see docs/training.md).")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help="set by the legacy torch.distributed.launch; otherwise LOCAL_RANK (torchrun) or SLURM_LOCALID")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
@@ -184,7 +184,7 @@ def init_distributed(args, device):
         dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (README)")
+        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (docs/launching.md)")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         # The rendezvous store gets the short --init-timeout; the collectives keep the default
