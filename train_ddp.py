@@ -69,7 +69,7 @@ TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autot
 def main(argv=None):
     args = parse_args(argv)  # 1. arguments
     # Read before the process group forms, so that a bad file fails fast, and every rank with it.
-    checkpoint = load_checkpoint(args)
+    resume_from, checkpoint = load_checkpoint(args)
     if args.dry_run:
         return
     # Noted from here on, so that a SIGTERM while the group, data and model are set up still
@@ -78,10 +78,10 @@ def main(argv=None):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)  # 2. device
     with process_group(args, device):  # 3. process group, and 8. clean-up when the block ends
-        train_or_evaluate(args, device, checkpoint, stop)
+        train_or_evaluate(args, device, resume_from, checkpoint, stop)
 
 
-# ---------------------------------------------------------------- 1. arguments
+# ---------------------------------------------------------------- 1. arguments, and the checkpoint to resume from
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         fail(message)
@@ -137,6 +137,44 @@ def parse_args(argv=None):
         args.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
     check_args(args)
     return args
+
+
+def load_checkpoint(args):
+    """(path, checkpoint) to resume from, read on every rank; (None, None) for a fresh start."""
+    path = resume_path(args)
+    if path is None:
+        return None, None
+    if not path.is_file():
+        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    if not isinstance(checkpoint, dict) or "arch" not in checkpoint.get("args", {}):
+        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected a dict with args.arch)")
+    if checkpoint["args"]["arch"] != args.arch:
+        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
+    missing = CHECKPOINT_KEYS - set(checkpoint)
+    if missing:
+        fail(f"--resume {path}: not a complete train_ddp.py checkpoint (missing {', '.join(sorted(missing))})")
+    return path, checkpoint
+
+
+def resume_path(args):
+    """--resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt, once it has one."""
+    last = last_checkpoint(args)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and last.exists():
+        # A last.pt left in the same directory by an earlier job must not pass for this job's.
+        try:
+            run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("run_id")
+        except Exception:  # unreadable: not this job's, which writes atomically
+            run_id = None
+        if run_id == os.environ.get("TORCHELASTIC_RUN_ID"):
+            return last
+        if env_rank() == 0:
+            print(f"train_ddp.py: restart: ignoring {last}, written by another job (run id {run_id})",
+                  file=sys.stderr, flush=True)
+    return Path(args.resume) if args.resume else None
 
 
 # ---------------------------------------------------------------- 2. device
@@ -217,7 +255,8 @@ def world_from_env():
     return 0, 1
 
 
-def train_or_evaluate(args, device, checkpoint, stop):
+# ---------------------------------------------------------------- 4. to 7., in the process group
+def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     """Steps 4 to 7, in a function of their own: the DDP model holds the process group, and must be
     freed before process_group() destroys it."""
     check_same_start(checkpoint)
@@ -233,7 +272,7 @@ def train_or_evaluate(args, device, checkpoint, stop):
     epoch, step = 0, 0
     if checkpoint:
         epoch, step = restore_training_state(checkpoint, optimizer, scaler, args)
-        log(f"resumed from {args.resume} at epoch {epoch + 1} step {step}")
+        log(f"resumed from {resume_from} at epoch {epoch + 1} step {step}")
         # The model and optimizer have what they need: free the rest for the whole run (emptied, since
         # main() holds the dict too).
         checkpoint.clear()
@@ -241,7 +280,8 @@ def train_or_evaluate(args, device, checkpoint, stop):
     log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
         f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
         f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
-    fit(Training(model, optimizer, scheduler, scaler, steps, epoch, step), train_set, val_set, args, device, stop)
+    run = Training(model, optimizer, scheduler, scaler, steps_per_epoch=steps, epoch=epoch, step=step)
+    fit(run, train_set, val_set, args, device, stop)
 
 
 # ---------------------------------------------------------------- 4. data
@@ -391,7 +431,8 @@ def build_scheduler(optimizer, args, steps_per_epoch, warmup_steps, steps_done):
 # ---------------------------------------------------------------- 6. train and validate
 @dataclass
 class Training:
-    """What the training loop carries from step to step, and what a checkpoint saves."""
+    """What the training loop carries from step to step. A checkpoint saves all but the scheduler and
+    steps_per_epoch, which a resume derives from this run's arguments."""
     model: DDP
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -579,32 +620,6 @@ def rng_state():
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
-def load_checkpoint(args):
-    """The checkpoint to resume from (None for a fresh start), read on every rank; sets args.resume to its path.
-
-    That is --resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt,
-    once it has one.
-    """
-    path = resume_path(args)
-    if path is None:
-        return None
-    if not path.is_file():
-        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    if not isinstance(checkpoint, dict) or "arch" not in checkpoint.get("args", {}):
-        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected a dict with args.arch)")
-    if checkpoint["args"]["arch"] != args.arch:
-        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
-    missing = CHECKPOINT_KEYS - set(checkpoint)
-    if missing:
-        fail(f"--resume {path}: not a complete train_ddp.py checkpoint (missing {', '.join(sorted(missing))})")
-    args.resume = str(path)  # a str: the checkpoint saves args, and weights_only loads no Path
-    return checkpoint
-
-
 def restore_training_state(checkpoint, optimizer, scaler, args):
     """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -750,23 +765,6 @@ def check_image_folder(root):
 def has_images(folder):
     return any(f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS)
                for _, _, files in os.walk(folder) for f in files)
-
-
-def resume_path(args):
-    """--resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt, once it has one."""
-    last = last_checkpoint(args)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and last.exists():
-        # A last.pt left in the same directory by an earlier job must not pass for this job's.
-        try:
-            run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("run_id")
-        except Exception:  # unreadable: not this job's, which writes atomically
-            run_id = None
-        if run_id == os.environ.get("TORCHELASTIC_RUN_ID"):
-            return last
-        if env_rank() == 0:
-            print(f"train_ddp.py: restart: ignoring {last}, written by another job (run id {run_id})",
-                  file=sys.stderr, flush=True)
-    return Path(args.resume) if args.resume else None
 
 
 def init_failure(error, args, world_size, address):
