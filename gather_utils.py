@@ -41,10 +41,12 @@ __all__ = [
 # Every rank runs the same torch, so a dtype's position in this tuple identifies it.
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
-# A header row: _HEADER_LEN int64 (see _exchange_headers), then room for the rank's data.
+# A header row: _HEADER_LEN int64 [failed, dtype code, ndim, setting, *shape, zero padding], then room for the
+# rank's data (see _exchange_headers).
 _HEADER_LEN = 16
 _HEADER_BYTES = _HEADER_LEN * 8
-_MAX_NDIM = _HEADER_LEN - 4  # the shape follows the error flag, dtype code, ndim and setting
+_SHAPE_AT = 4  # where the shape starts in a row
+_MAX_NDIM = _HEADER_LEN - _SHAPE_AT
 # Up to 64 KiB per rank an all-gather costs about what one of 128 bytes costs (bench_gather.py), so a rank's data of
 # up to 8 KiB rides in its header: room for losses, metrics and a few rows, while the large calls, whose data moves
 # after the header, send few idle bytes. Past 8 ranks the room per rank shrinks, to 64 KiB in all.
@@ -320,7 +322,6 @@ def _exchange_headers(name, group, device, read_input, described=None, setting=0
     the tensor `described` (default: that data) and carries `setting`. Returns (every rank's `_Header`, this rank's
     data, `carried`): `carried[r]` starts with rank r's data if it fitted (None without a process group).
     """
-    # The header row: [failed, dtype code, ndim, setting, *shape], zero-padded to _HEADER_LEN int64.
     try:
         payload, error = read_input(), None
         described = payload if described is None else described
@@ -345,7 +346,9 @@ def _exchange_headers(name, group, device, read_input, described=None, setting=0
         carried = gathered.narrow(1, _HEADER_BYTES, room)
     if error is not None:
         raise error
-    headers = [_Header(row[0] == 1, _DTYPES[row[1]], tuple(row[4 : 4 + row[2]]), row[3]) for row in rows]
+    headers = [
+        _Header(row[0] == 1, _DTYPES[row[1]], tuple(row[_SHAPE_AT : _SHAPE_AT + row[2]]), row[3]) for row in rows
+    ]
     failed = [str(rank) for rank, header in enumerate(headers) if header.failed]
     if failed:
         raise ValueError(
