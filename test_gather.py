@@ -802,8 +802,14 @@ def assert_check_passed(launch_result, world, name):
     code, output, report = launch_result
     assert sorted(report) == sorted(check.__name__ for check in checks_for(world)), f"exit {code}\n{output}"
     assert report[name] is None, report[name]
-    # A failed check fails its own test (and makes the launch exit 1); any other exit is the launch's failure.
-    assert code == (0 if all(failure is None for failure in report.values()) else 1), f"exit {code}\n{output}"
+
+
+def assert_exit_matches_report(launch_result):
+    """0 when every check passed, 1 when some failed (their own tests say which): any other exit, a crash
+    or a hang at exit, is the launch's own failure."""
+    code, output, report = launch_result
+    passed = all(failure is None for failure in report.values())
+    assert report and code == (0 if passed else 1), f"exit {code}\n{output}"
 
 
 @pytest.mark.timeout(300)  # the first test of each world size waits for its launch
@@ -815,11 +821,22 @@ def test_torchrun_gloo_cpu(launched, world, name):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_torchrun_gloo_cpu_exit(launched, world):
+    assert_exit_matches_report(launched(world))
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [check.__name__ for check in checks_for(3)])
 def test_torchrun_default_backend(launched, name):
     """init_process_group() without a backend on a machine without GPUs: gloo, though get_backend()
     says "undefined". (With GPUs, torch 2.14 makes it NCCL alone.)"""
     assert_check_passed(launched(3, "--backend", "default", CUDA_VISIBLE_DEVICES=""), 3, name)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_default_backend_exit(launched):
+    assert_exit_matches_report(launched(3, "--backend", "default", CUDA_VISIBLE_DEVICES=""))
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

@@ -14,9 +14,12 @@ check_release() {  # torch version, then the rest of what its environment needs
     echo "== torch $version"
     [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q "torch==$version" "$@" -r requirements-test.txt
-    # test_gather.py has a test per check and world size, named [ranks-check]: all of those at 2 and 3 ranks.
+    # test_gather.py has a test per check and world size, named [ranks-check], and one for each launch's exit:
+    # those at 2 and 3 ranks.
+    local gather="test_torchrun_gloo_cpu[2- or test_torchrun_gloo_cpu[3- or test_torchrun_gloo_cpu_exit[2]"
+    gather+=" or test_torchrun_gloo_cpu_exit[3]"
     PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider test_gather.py test_failures.py -k \
-        "test_torchrun_gloo_cpu[2- or test_torchrun_gloo_cpu[3- or test_what_this_torch_cannot_run_is_refused"
+        "$gather or test_what_this_torch_cannot_run_is_refused"
     for _ in 1 2 3 4; do
         PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider \
             test_train.py::test_every_rank_exits_after_train_resume_and_evaluate
