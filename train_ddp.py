@@ -642,7 +642,7 @@ def restore_training_state(checkpoint, optimizer, scaler, args):
 
 def env_rank():
     """This process's global rank, known before the process group exists."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    return world_from_env()[0]
 
 
 def fail(message):
