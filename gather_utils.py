@@ -136,9 +136,7 @@ def all_gather_concat(tensor, group=None, async_op=False):
     if len({(header.dtype, header.shape[1:]) for header in headers}) > 1:
         raise ValueError(f"{name}: every rank needs the same dtype and sizes after dim 0; got {_describe(headers)}")
     _check_grad_agrees(name, headers)
-    row_shape = headers[0].shape[1:]
-    counts = [header.shape[0] for header in headers]
-    row_bytes = math.prod(row_shape) * tensor.element_size()
+    row_shape, counts, row_bytes = _rows(headers, tensor.element_size())
 
     def to_result(packed):
         out = packed.view(tensor.dtype).view(sum(counts), *row_shape).to(tensor.device)
@@ -269,9 +267,7 @@ def gather_for_metrics(results, indices, num_samples, group=None):
             f"{name}: every rank needs the same dtype, sizes after dim 0 and num_samples; got {_describe(headers)}; "
             f"num_samples {numbers}"
         )
-    row_shape = headers[0].shape[1:]
-    counts = [header.shape[0] for header in headers]
-    row_bytes = math.prod(row_shape) * results.element_size()
+    row_shape, counts, row_bytes = _rows(headers, results.element_size())
     sizes = [n * (row_bytes + 8) for n in counts]
     chunks = _gather_bytes(payload, sizes, group, carried).wait().split(sizes)
     # cat() copies into fresh memory, aligned for the int64 view.
@@ -361,6 +357,12 @@ def _header_room(world):
     """Bytes of data each rank's header row carries (see _HEADER_ROOM_BYTES): the same on every rank of a group."""
     # A multiple of 16 keeps every row, and the int64 header at its start, aligned.
     return min(_HEADER_ROOM_BYTES, _HEADER_MAX_ROOM_TOTAL // world) // 16 * 16
+
+
+def _rows(headers, element_size):
+    """(shape after dim 0, every rank's dim-0 size, bytes per row) of tensors gathered along dim 0."""
+    row_shape = headers[0].shape[1:]
+    return row_shape, [header.shape[0] for header in headers], math.prod(row_shape) * element_size
 
 
 def _describe(headers):
