@@ -38,11 +38,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+# What torchrun, SLURM and launch.sh read or set: run inside such a job, the tests must not inherit
+# them (a TORCHELASTIC_RESTART_COUNT above 0, for one, makes train_ddp.py resume from a stale last.pt).
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_", "MASTER_", "TORCHELASTIC_", "TORCH_ELASTIC_", "PET_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_",
+                      "NNODES", "NODE_RANK", "MAX_RESTARTS", "RUN_ID", "INIT_TIMEOUT")
+
+
 def clean_env(**extra):
     """No launcher's or SLURM's variables, one thread per rank, and no GPU: these are CPU tests,
     and with a GPU --backend auto would pick NCCL and the GPU defaults."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                                                     "SLURM_", "NNODES", "NODE_RANK", "MAX_RESTARTS"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
     env["OMP_NUM_THREADS"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update({k: str(v) for k, v in extra.items()})

@@ -78,11 +78,11 @@ def get_world_size(group=None):
 class GatherHandle:
     """What `all_gather_concat(..., async_op=True)` returns while the data is in flight.
 
-    `wait()` returns the gathered tensor (the same one on every call). For a CPU result it blocks until every byte has
-    arrived. For a GPU result it queues any copy into the result on the current CUDA stream (from the CPU, where gloo
-    delivers), and on NCCL it does not block the host at all: it makes that stream wait for the transfer. So work
-    queued later on that stream sees the complete result, and so does reading it on the host (`.item()`, `.cpu()`);
-    make another stream wait first: `stream.wait_stream(torch.cuda.current_stream())`.
+    `wait()` returns the gathered tensor (the same one on every call). Where the data moves on the CPU (gloo, whatever
+    the input's device) it blocks the host until every byte has arrived and, for a GPU result, until the copy from the
+    CPU to the GPU is done. On NCCL it does not block the host at all: it makes the current CUDA stream wait for the
+    transfer. So work queued later on that stream sees the complete result, and so does reading it on the host
+    (`.item()`, `.cpu()`); make another stream wait first: `stream.wait_stream(torch.cuda.current_stream())`.
 
     `is_completed()` never blocks. True means the collectives have finished (on NCCL, on the GPU), so `wait()` will not
     wait for the network, though a copy into a GPU result may still be running; data that came with the header is

@@ -218,6 +218,26 @@ def test_sigterm_to_launcher_before_the_workers_start_stops_the_job(tmp_path):
     assert not left, f"still running after launch.sh exited {job.returncode}"
 
 
+def test_sigterm_at_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
+    # One step per epoch, and a SIGTERM sent at once, which the workers hold from their first line: the ranks
+    # first see it after that step, the epoch's last. A stop there would save step 1/1, and the resume would
+    # train no step of that epoch; the epoch must end, with its checkpoint and validation, and stop after them.
+    one_step = ["--arch", "resnet18", "--train-samples", "16", "--val-samples", "4", "--batch-size", "8",
+                "--epochs", "2", "--checkpoint-dir", str(tmp_path), "--metrics-file", str(tmp_path / "m.jsonl")]
+    job = start_logged(["bash", LAUNCH, "2", *one_step], subdir(tmp_path / "log"))
+    wait_for(lambda: any(b"torch.distributed.run" in proc_file(pid, "cmdline") for pid in descendants(job.pid)), job,
+             "torchrun", interval=0.005)
+    os.kill(job.pid, signal.SIGTERM)
+    wait_exit(job, 60)
+    assert job.returncode == 0, stderr(job)[-3000:]
+    assert "stopped by SIGTERM after epoch 1; continue with --resume" in stdout(job), stdout(job)
+    assert (load(tmp_path / "last.pt")["epoch"], load(tmp_path / "last.pt")["step"]) == (1, 0)
+    resumed = ok(run(["bash", LAUNCH, "2", *one_step, "--resume", str(tmp_path / "last.pt")]))
+    assert "at epoch 2 step 0" in resumed.stdout
+    assert [r["epoch"] for r in metrics(tmp_path / "m.jsonl")] == [1, 2]
+    assert all(r["train_loss"] > 0 for r in metrics(tmp_path / "m.jsonl")), metrics(tmp_path / "m.jsonl")
+
+
 def test_sigterm_during_validation_stops_when_it_ends(tmp_path, uninterrupted):
     # The checkpoint is written just before validation, and 2000 val images take seconds on
     # 2 cores: the signal arrives while the ranks validate.

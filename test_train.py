@@ -251,6 +251,51 @@ def test_resume_on_one_rank_keeps_the_schedule(tmp_path):
     assert load(tmp_path / "one" / "last.pt")["optimizer"]["param_groups"][0]["lr"] == 0.0
 
 
+def test_resume_trains_with_this_runs_optimizer_settings(tmp_path):
+    # A resume's optimizer state carries the old run's lr, momentum and weight decay: the new flags win, and the
+    # resume line says which changed.
+    tiny = [*TINY, "--train-samples", "64", "--checkpoint-dir", tmp_path]
+    ok(run([sys.executable, TRAIN, *tiny, "--epochs", "1"]))
+    result = ok(run([sys.executable, TRAIN, *tiny, "--resume", tmp_path / "last.pt", "--lr", "0.04",
+                     "--momentum", "0.5", "--weight-decay", "0"]))
+    assert "at epoch 2 step 0; with --lr 0.04 (was 0.02), --momentum 0.5 (was 0.9), --weight-decay 0 (was 0.0001)" \
+        in result.stdout, result.stdout
+    # 8 warm-up steps of 16, then cosine: step 12 of 16 is halfway down from the new peak.
+    assert re.search(r"step 4/8 \(12/16\) loss \S+ lr 0.02 ", result.stdout), result.stdout
+    group = load(tmp_path / "last.pt")["optimizer"]["param_groups"][0]
+    assert (group["initial_lr"], group["momentum"], group["weight_decay"]) == (0.04, 0.5, 0.0)
+
+
+def test_fp16_hook_casts_before_it_divides():
+    # docs/training.md: a gradient above fp16's range becomes inf under --comm-hook fp16 (torch's hook casts, then
+    # divides by the world size), and stays finite under bf16. One process, train_ddp.py's own hook registration.
+    code = """if True:
+        import torch, torch.distributed as dist, train_ddp
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        for hook in ["fp16", "bf16"]:
+            model = train_ddp.DDP(torch.nn.Linear(1, 1, bias=False))
+            train_ddp.register_comm_hook(model, hook, warmup_steps=0)
+            model(torch.full((1, 1), 1e5)).sum().backward()
+            print(hook, model.module.weight.grad.item())
+        dist.destroy_process_group()"""
+    result = ok(run([sys.executable, "-c", code]))
+    assert result.stdout.split() == ["fp16", "inf", "bf16", "99840.0"], result.stdout
+
+
+def test_clean_env_drops_what_launchers_set():
+    # conftest.clean_env run inside a real torchrun worker: nothing torchrun set may reach the tests' processes.
+    code = """if True:
+        import os, conftest
+        added = set(os.environ) - set(os.environ["PARENT_VARIABLES"].split(","))
+        assert "TORCHELASTIC_RESTART_COUNT" in added and "LOCAL_WORLD_SIZE" in added, sorted(added)
+        print(sorted(added & set(conftest.clean_env()) - {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}))"""
+    env = clean_env()
+    env["PARENT_VARIABLES"] = ",".join([*env, "PARENT_VARIABLES"])
+    result = ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                     "--no-python", sys.executable, "-c", code], env=env))
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 @pytest.mark.parametrize("hook, extra", [
     ("fp16", []),
     ("bf16", ["--amp", "bf16", "--channels-last"]),

@@ -272,7 +272,7 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     epoch, step = 0, 0
     if checkpoint:
         epoch, step = restore_training_state(checkpoint, optimizer, scaler, args)
-        log(f"resumed from {resume_from} at epoch {epoch + 1} step {step}")
+        log(f"resumed from {resume_from} at epoch {epoch + 1} step {step}{changed_settings(checkpoint, args)}")
         # The model and optimizer have what they need: free the rest for the whole run (emptied, since
         # main() holds the dict too).
         checkpoint.clear()
@@ -527,7 +527,8 @@ def train_one_epoch(run, loader, args, device, meter, stop):
                 f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step, rate)}")
         loss_sum += step_loss
         step_loss.zero_()
-        if stop.agreed():
+        # Not after the last step: the epoch's end saves last.pt anyway, and a resume of step N/N would train nothing.
+        if run.step < run.steps_per_epoch and stop.agreed():
             return None, True
     if run.step == first_step:
         return None, False
@@ -623,6 +624,9 @@ def rng_state():
 def restore_training_state(checkpoint, optimizer, scaler, args):
     """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
     optimizer.load_state_dict(checkpoint["optimizer"])
+    # The loaded state carries the old run's settings (initial_lr is what the schedule scales): this run's win.
+    for group in optimizer.param_groups:
+        group.update(lr=args.lr, initial_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler starts from its defaults
         scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
@@ -634,6 +638,13 @@ def restore_training_state(checkpoint, optimizer, scaler, args):
     saved = checkpoint["world_size"], checkpoint["args"]["batch_size"], checkpoint["args"]["accum_steps"]
     same_layout = saved == (dist.get_world_size(), args.batch_size, args.accum_steps)
     return checkpoint["epoch"], checkpoint["step"] if same_layout else 0
+
+
+def changed_settings(checkpoint, args):
+    """For the resume line: the optimizer settings that this run changes, which it then trains with."""
+    changed = [f"--{name.replace('_', '-')} {getattr(args, name):g} (was {checkpoint['args'][name]:g})"
+               for name in ["lr", "momentum", "weight_decay"] if getattr(args, name) != checkpoint["args"][name]]
+    return f"; with {', '.join(changed)}" if changed else ""
 
 
 # =================================================================================================
