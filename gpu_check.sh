@@ -1,140 +1,272 @@
 #!/usr/bin/env bash
-# One-shot proof on one CUDA machine, in about 5 minutes, with the python3 it finds (nothing
-# installed): the gather tests over NCCL and over gloo with CUDA tensors; train_ddp.py on NCCL
-# with each precision, hook and SyncBN, DataLoader workers, resume, --evaluate and SIGTERM; then
-# ResNet-50 speed at 224 px. Every step runs, whatever failed before it, and asserts its result.
+# The GPU proof in one try, on one CUDA machine, with the python3 it finds (torch 2.1 or later with torchvision;
+# nothing installed), inside a deadline. Most valuable first: the gather tests over NCCL and over gloo with CUDA
+# tensors; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against one process);
+# train_ddp.py on NCCL: fp32, resume, --evaluate, SIGTERM mid-epoch and its resume; bf16 + channels-last, fp16,
+# each hook, SyncBN; then ResNet-50 speed at 224 px.
 #
-#   bash gpu_check.sh [--compile]      # --compile: also time torch.compile, last
+#   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 480)
+#   DEADLINE=600 bash gpu_check.sh
+#   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
+#                                     # steps that need CUDA are skipped), to prove the script itself and time it
 #
-# Logs and summary.json go to $OUT when it is set, else to a new folder it names. The exit code
-# is non-zero if any step failed.
+# Every step runs whatever failed before it, under a time limit of its own (past it, its whole process tree is
+# killed), and asserts its result. A step starts only if the deadline leaves it 20 s; the rest are listed as
+# skipped. Out ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step;
+# logs/NAME.log, written as each step runs and packed into step_logs.tar.gz at the end (also on SIGTERM).
+# The exit code is 1 if any step failed or timed out.
+#
+# What one GPU cannot show: NCCL between ranks. NCCL refuses two ranks on one GPU, so its multi-rank paths
+# (gather_utils' uneven all-gather, the header exchange between ranks, DDP's all-reduce, SyncBN over NCCL) run
+# only at world size 1 here; two ranks share the GPU over gloo instead.
 set -uo pipefail
 cd "$(dirname "$0")"
+rehearse=0
+if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
 out=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
-work=$(mktemp -d /tmp/gpu_check_work.XXXXXX)
-mkdir -p "$out"
+logs=$out/logs
+work=$(mktemp -d /tmp/gpu_check_work.XXXXXX)  # checkpoints and data: not copied back
+mkdir -p "$logs"
 exec > >(tee "$out/gpu_check.log") 2>&1
-export OMP_NUM_THREADS=4
+deadline=$((SECONDS + ${DEADLINE:-480}))
+export OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 py=python3
-names=() results=() seconds=()
+names=() results=() seconds=() notes=()
+running=
 
-# step NAME COMMAND...: run it (5 min at most) with its output in $work/NAME.log; print the tail if it fails.
-step() {
-    local name=$1 began=$SECONDS status=pass
-    shift
-    echo "== $name"
-    timeout 300 "$@" >"$work/$name.log" 2>&1 || status=FAIL
-    if [[ $status == FAIL ]]; then tail -n 25 "$work/$name.log"; fi
-    names+=("$name") results+=("$status") seconds+=($((SECONDS - began)))
+# The pid of the step in flight, and every process under it (torchrun starts its workers in sessions of their own).
+tree() {
+    timeout 10 $py - "$1" <<'EOF'
+import os, sys
+parents = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        ppid = next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("PPid:"))
+    except (OSError, StopIteration):
+        continue
+    parents.setdefault(ppid, []).append(pid)
+todo, found = [sys.argv[1]], []
+while todo:
+    found.append(todo.pop())
+    todo += parents.get(found[-1], [])
+print(*found)
+EOF
 }
 
-# verify NAME PYTHON: assertions on the step's files; m(path) reads a metrics file, ck(path) a
+kill_tree() {  # stopped first, so that none of them can start another or be reparented while the rest die
+    local pids
+    pids=$(tree "$1")
+    kill -STOP $pids 2>/dev/null
+    kill -KILL $pids $(tree "$1") 2>/dev/null
+}
+
+write_summary() {  # written whole, then renamed: a kill leaves the last complete one
+    local i sep=
+    {
+        printf '{"deadline_seconds": %d, "rehearsal": %s, "steps": [' "${DEADLINE:-480}" \
+            "$( ((rehearse)) && echo true || echo false)"
+        for i in "${!names[@]}"; do
+            printf '%s\n {"step": "%s", "result": "%s", "seconds": %d, "note": "%s"}' "$sep" "${names[$i]}" \
+                "${results[$i]}" "${seconds[$i]}" "${notes[$i]}"
+            sep=,
+        done
+        printf '\n]}\n'
+    } >"$out/summary.json.tmp" && mv "$out/summary.json.tmp" "$out/summary.json"
+}
+
+record() {  # name result seconds [note]
+    names+=("$1") results+=("$2") seconds+=("$3") notes+=("${4:-}")
+    write_summary
+}
+
+# step NAME LIMIT COMMAND...: run it in a session of its own, output in logs/NAME.log, killed with its whole tree
+# past LIMIT seconds or the deadline; print the log's tail if it fails.
+step() {
+    local name=$1 limit=$2 began=$SECONDS status=pass left=$((deadline - SECONDS)) pid
+    shift 2
+    if ((left < 20)); then
+        echo "== $name: skipped, ${left} s left before the deadline"
+        record "$name" skipped 0 "deadline"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name"
+    setsid "$@" >"$logs/$name.log" 2>&1 </dev/null &
+    pid=$! running=$!
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS - began < limit)); do sleep 0.2; done
+    if kill -0 "$pid" 2>/dev/null; then
+        kill_tree "$pid"
+        echo "gpu_check.sh: killed after $limit s" >>"$logs/$name.log"
+        status=timeout
+    fi
+    wait "$pid" || { [[ $status == timeout ]] || status=FAIL; }
+    running=
+    [[ $status == pass ]] || tail -n 25 "$logs/$name.log"
+    record "$name" "$status" $((SECONDS - began))
+}
+
+needs_gpu() {  # name: record it as skipped in a rehearsal
+    ((rehearse)) || return 1
+    echo "== $1: skipped, needs a GPU"
+    record "$1" skipped 0 "needs a GPU"
+}
+
+# verify NAME PYTHON: assertions on the files of the step NAME; m(path) reads a metrics file, ck(path) a
 # checkpoint, log(name) a step's output. A failed assertion turns the step's result to FAIL.
 verify() {
     local name=$1 i
-    if ! $py - "$work" "$name" >>"$work/$name.log" 2>&1 <<EOF
+    [[ ${results[-1]} == pass && ${names[-1]} == "$name" ]] || return 0
+    if ! timeout 60 $py - "$work" "$logs" "$2" >>"$logs/$name.log" 2>&1 <<'EOF'
 import json, math, sys, torch
-work, name = sys.argv[1], sys.argv[2]
+work, logs, check = sys.argv[1:]
 m = lambda path: [json.loads(line) for line in open(f"{work}/{path}")]
 ck = lambda path: torch.load(f"{work}/{path}", map_location="cpu", weights_only=True)
-log = lambda step: open(f"{work}/{step}.log").read()
+log = lambda step: open(f"{logs}/{step}.log").read()
 def learned(path, epochs):
     records = m(path)
     assert [r["epoch"] for r in records] == list(range(1, epochs + 1)), records
     assert all(math.isfinite(r["train_loss"]) for r in records), records
     assert records[-1]["train_loss"] < records[0]["train_loss"], records
-    assert records[-1]["val_samples"] == 256 and len(set(records[-1]["replica_checksums"])) == 1, records
+    assert records[-1]["val_samples"] == val_samples, records
     return records
-$2
+exec(check)
 print("verified")
 EOF
     then
-        tail -n 8 "$work/$name.log"
-        for i in "${!names[@]}"; do [[ ${names[$i]} == "$name" ]] && results[$i]=FAIL; done
+        tail -n 8 "$logs/$name.log"
+        results[-1]=FAIL
+        write_summary
     fi
 }
 
-train=($py -m torch.distributed.run --standalone --nproc-per-node 1 train_ddp.py)
+finish() {
+    [[ -n $running ]] && kill_tree "$running"
+    echo
+    printf '| step | result | seconds | note |\n|---|---|---|---|\n'
+    local i failed=0
+    for i in "${!names[@]}"; do
+        printf '| %s | %s | %s | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "${notes[$i]}"
+        [[ ${results[$i]} == pass || ${results[$i]} == skipped ]] || failed=$((failed + 1))
+    done
+    tar -czf "$out/step_logs.tar.gz" -C "$logs" . && rm -r "$logs"
+    rm -rf "$work"
+    echo "$failed step(s) failed, $((SECONDS)) s; logs in $out"
+    exit $((failed > 0))
+}
+trap finish EXIT
+trap 'echo "gpu_check.sh: stopped by a signal"; exit 1' TERM INT
+
+if ((rehearse)); then
+    small=(--arch resnet18 --image-size 32 --train-samples 256 --val-samples 32 --batch-size 16 --workers 2
+           --epochs 2 --log-every 4)
+    val=32 on="1 x cpu (gloo)" long=(--train-samples 2048) fp16=(--train-samples 64)  # fp16 on a CPU is slow
+    bench=(bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2 --repeats 1)
+else
+    # DataLoader workers pass batches through /dev/shm: 2 workers x 3 batches of 0.8 MB fit in any.
+    small=(--arch resnet18 --image-size 64 --train-samples 2048 --val-samples 256 --batch-size 64 --workers 2
+           --epochs 2 --log-every 8)
+    val=256 on="1 x cuda (nccl)" long=(--train-samples 16384) fp16=()
+    bench=(bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1)
+fi
+train=($py -m torch.distributed.run --standalone --nproc-per-node 1 train_ddp.py "${small[@]}")
+learned() {  # name: the step's metrics file shows 2 epochs of falling loss over every val image
+    verify "$1" "val_samples = $val; learned('$1.jsonl', 2)"
+}
 
 date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$py -c 'import sys, torch, torchvision
+timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+timeout 60 $py -c 'import sys, torch, torchvision
+cuda = torch.cuda.is_available()
 print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__,
-      "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())),
-      "GPUs", torch.cuda.device_count())'
+      "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
+      "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))'
 df -h /dev/shm
-# DataLoader workers pass batches through /dev/shm: 2 workers x 3 batches of 3 MB fit in any.
-small=(--arch resnet18 --image-size 64 --train-samples 2048 --val-samples 256 --batch-size 64 --workers 2
-       --epochs 2 --log-every 8)
 
-step gather_nccl $py -m torch.distributed.run --standalone --nproc-per-node 1 test_gather.py --backend nccl
-step gather_gloo_cuda $py -m torch.distributed.run --standalone --nproc-per-node 2 test_gather.py \
-    --backend gloo --device cuda
+needs_gpu gather_nccl ||
+    step gather_nccl 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 test_gather.py --backend nccl
+needs_gpu gather_gloo_cuda ||
+    step gather_gloo_cuda 150 $py -m torch.distributed.run --standalone --nproc-per-node 2 test_gather.py \
+        --backend gloo --device cuda
 
-step train_fp32 "${train[@]}" "${small[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/fp32.jsonl"
-verify train_fp32 'learned("fp32.jsonl", 2); assert "1 x cuda (nccl)" in log("train_fp32")'
-step train_bf16_channels_last "${train[@]}" "${small[@]}" --amp bf16 --channels-last --checkpoint-dir "$work/bf16" \
-    --metrics-file "$work/bf16.jsonl"
-verify train_bf16_channels_last 'learned("bf16.jsonl", 2)'
-step train_fp16 "${train[@]}" "${small[@]}" --amp fp16 --checkpoint-dir "$work/fp16" --metrics-file "$work/fp16.jsonl"
-verify train_fp16 'learned("fp16.jsonl", 2); s = ck("fp16/last.pt")["scaler"]; assert 0 < s["scale"] <= 2**16, s'
-for hook in fp16 bf16 powersgd; do
-    step "hook_$hook" "${train[@]}" "${small[@]}" --comm-hook "$hook" --warmup-epochs 0.25 \
-        --checkpoint-dir "$work/hook_$hook" --metrics-file "$work/hook_$hook.jsonl"
-    verify "hook_$hook" "learned('hook_$hook.jsonl', 2)"
-done
-step sync_bn "${train[@]}" "${small[@]}" --sync-bn --checkpoint-dir "$work/sync_bn" --metrics-file "$work/sync_bn.jsonl"
-verify sync_bn 'learned("sync_bn.jsonl", 2); assert "bn1.running_mean" in ck("sync_bn/last.pt")["model"]'
+# Two ranks on the one device over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of 8 images
+# each must give the weights and batch-norm statistics of one process stepping on all 16 with plain batch norm,
+# and replicas that agree (replica_checksums raises if not). Unsynchronized statistics would differ.
+cat >"$work/shared_device.py" <<'EOF'
+import argparse, torch, torch.distributed as dist, torch.nn.functional as F, torchvision, train_ddp
+dist.init_process_group("gloo")
+rank, device = dist.get_rank(), torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+torch.backends.cudnn.allow_tf32 = False  # batches of 8 and of 16 may take kernels that round TF32 differently
+generator = torch.Generator().manual_seed(1)
+images, labels = torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+def trained(model, x, y):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)  # at 0.2, 3 steps on 8 images already diverge
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+    return model
+torch.manual_seed(0)
+args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none")
+ddp = train_ddp.wrap_ddp(torchvision.models.resnet18(num_classes=10), args, device, warmup_steps=0)
+mine = slice(8 * rank, 8 * rank + 8)
+checksums = train_ddp.replica_checksums(trained(ddp, images[mine], labels[mine]))
+torch.manual_seed(0)
+single = trained(torchvision.models.resnet18(num_classes=10).to(device), images, labels).state_dict()
+for key, value in ddp.module.state_dict().items():
+    torch.testing.assert_close(value.double(), single[key].double(), rtol=1e-3, atol=1e-4, msg=key)
+print(f"rank {rank}: replicas {checksums} agree; weights and statistics equal one process's")
+dist.destroy_process_group()
+EOF
+step shared_device_sync_bn_and_replicas 120 $py -m torch.distributed.run --standalone --nproc-per-node 2 \
+    "$work/shared_device.py"
 
-step resume "${train[@]}" "${small[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
-    --metrics-file "$work/fp32.jsonl"
-verify resume 'assert "at epoch 3 step 0" in log("resume"); learned("fp32.jsonl", 3)
-assert ck("fp32/last.pt")["epoch"] == 3'
-step evaluate "${train[@]}" "${small[@]}" --evaluate --resume "$work/fp32/last.pt" --metrics-file "$work/eval.jsonl"
-verify evaluate 'e, = m("eval.jsonl"); t = m("fp32.jsonl")[-1]
-assert e["epoch"] == 3 and e["val_samples"] == 256, e
-assert abs(e["val_acc1"] - t["val_acc1"]) <= 100 / 256, (e, t)  # cudnn may pick other kernels: one image at most'
+step train_fp32 150 "${train[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/train_fp32.jsonl"
+learned train_fp32
+verify train_fp32 "assert '$on' in log('train_fp32')"
+step resume 120 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
+    --metrics-file "$work/train_fp32.jsonl"
+verify resume "val_samples = $val; assert 'at epoch 3 step 0' in log('resume'); learned('train_fp32.jsonl', 3)
+assert ck('fp32/last.pt')['epoch'] == 3"
+step evaluate 90 "${train[@]}" --evaluate --resume "$work/fp32/last.pt" --metrics-file "$work/evaluate.jsonl"
+verify evaluate "e, = m('evaluate.jsonl'); t = m('train_fp32.jsonl')[-1]
+assert e['epoch'] == 3 and e['val_samples'] == $val, e
+assert abs(e['val_acc1'] - t['val_acc1']) <= 100 / $val, (e, t)  # cudnn may pick other kernels: one image at most"
 
-# SIGTERM mid-epoch to a one-process run: it saves last.pt at the step it reached and exits 0;
-# the resumed run goes on from the next step. ($0 of the inline script is its log.)
+# SIGTERM mid-epoch to a one-process run: it saves last.pt at the step it reached and exits 0; the resumed run
+# goes on from the next step. ($0 of the inline script is the step's log.)
 sigterm_after_step_20='"$@" & for _ in $(seq 900); do grep -q "step 20/" "$0" && break; sleep 0.1; done
 kill -TERM $!; wait $!'
-long=(--epochs 1 --train-samples 16384 --checkpoint-dir "$work/sigterm")
-step sigterm bash -c "$sigterm_after_step_20" "$work/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
-    --log-every 1
-verify sigterm 'assert "continue with --resume" in log("sigterm"), "no checkpoint line"
-c = ck("sigterm/last.pt"); assert c["epoch"] == 0 and 20 <= c["step"] < 256, (c["epoch"], c["step"])'
-step sigterm_resume "${train[@]}" "${small[@]}" "${long[@]}" --resume "$work/sigterm/last.pt"
-verify sigterm_resume 'import re; stopped = re.search(r"SIGTERM at epoch 1 step (\d+)/", log("sigterm"))[1]
-assert f"at epoch 1 step {stopped}" in log("sigterm_resume") and ck("sigterm/last.pt")["epoch"] == 1'
+step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
+    --epochs 1 --log-every 1 --checkpoint-dir "$work/sigterm"
+verify sigterm "assert 'continue with --resume' in log('sigterm'), 'no checkpoint line'
+c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c['epoch'], c['step'])"
+step sigterm_resume 120 "${train[@]}" "${long[@]}" --epochs 1 --checkpoint-dir "$work/sigterm" \
+    --resume "$work/sigterm/last.pt"
+verify sigterm_resume "import re; stopped = re.search(r'SIGTERM at epoch 1 step (\d+)/', log('sigterm'))[1]
+assert f'at epoch 1 step {stopped}' in log('sigterm_resume') and ck('sigterm/last.pt')['epoch'] == 1"
 
-# Speed: ResNet-50 at 224 px, synthetic batches already on the GPU, one process without and with DDP.
-bench=(bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1
-       --configs single "ddp default")
-step speed_fp32 $py "${bench[@]}" --amp off
-step speed_bf16_channels_last $py "${bench[@]}" --amp bf16 --channels-last
-if [[ ${1:-} == --compile ]]; then
-    step speed_bf16_channels_last_compile $py "${bench[@]}" --amp bf16 --channels-last --compile
-fi
-for name in "${names[@]}"; do
-    if [[ $name == speed_* ]]; then echo "== $name"; grep '^|' "$work/$name.log"; fi
+step train_bf16_channels_last 120 "${train[@]}" --amp bf16 --channels-last --checkpoint-dir "$work/bf16" \
+    --metrics-file "$work/train_bf16_channels_last.jsonl"
+learned train_bf16_channels_last
+step train_fp16 120 "${train[@]}" "${fp16[@]}" --amp fp16 --checkpoint-dir "$work/fp16" \
+    --metrics-file "$work/train_fp16.jsonl"
+learned train_fp16
+verify train_fp16 "s = ck('fp16/last.pt')['scaler']; assert 0 < s['scale'] <= 2**16, s"
+for hook in fp16 bf16 powersgd; do
+    step "hook_$hook" 120 "${train[@]}" --comm-hook "$hook" --warmup-epochs 0.25 --checkpoint-dir "$work/hook_$hook" \
+        --metrics-file "$work/hook_$hook.jsonl"
+    learned "hook_$hook"
 done
+step sync_bn 120 "${train[@]}" --sync-bn --checkpoint-dir "$work/sync_bn" --metrics-file "$work/sync_bn.jsonl"
+learned sync_bn
 
-echo
-printf '| step | result | seconds |\n|---|---|---|\n'
-failed=0
-for i in "${!names[@]}"; do
-    printf '| %s | %s | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}"
-    [[ ${results[$i]} == pass ]] || failed=$((failed + 1))
-done
-$py - "$out/summary.json" "${names[@]}" -- "${results[@]}" -- "${seconds[@]}" <<'EOF'
-import json, sys
-args = sys.argv[2:]
-n = (len(args) - 2) // 3
-names, results, seconds = args[:n], args[n + 1:2 * n + 1], args[2 * n + 2:]
-steps = [{"step": a, "result": b, "seconds": int(c)} for a, b, c in zip(names, results, seconds)]
-json.dump({"steps": steps, "failed": sum(s["result"] != "pass" for s in steps)}, open(sys.argv[1], "w"), indent=1)
-EOF
-tar -czf "$out/step_logs.tar.gz" -C "$work" --exclude '*.pt' .
-echo "$failed step(s) failed; logs in $out"
-exit $((failed > 0))
+# Speed: ResNet-50, synthetic batches already on the device, one process without and with DDP.
+speed() {  # name, bench_train.py flags: the step, with its images/s as the note
+    step "$1" 150 $py "${bench[@]}" --configs single "ddp default" "${@:2}"
+    [[ ${results[-1]} == pass ]] || return 0
+    notes[-1]=$(grep '^| [0-9]' "$logs/$1.log" |
+        awk -F'|' '{c = $3; v = $4; gsub(/^ +| +$/, "", c); gsub(/ *\(.*| /, "", v); printf "%s%s %s img/s", s, c, v; s = ", "}')
+    write_summary
+}
+speed speed_fp32 --amp off
+speed speed_bf16_channels_last --amp bf16 --channels-last
