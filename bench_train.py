@@ -3,6 +3,12 @@
     python bench_train.py                          # CPU: ResNet50 at 64 px, 2 x 1 thread vs 1 x 1 thread
     python bench_train.py --device cuda --image-size 224 --batches 256 --nproc 1 --amp bf16 --channels-last
     python bench_train.py --batches 32 --accum-steps 4 --configs single "ddp default"   # all-reduce every 4th
+    python bench_train.py --compile --configs single "ddp default"   # each configuration eager and compiled
+    python bench_train.py --hosts 1gbit 10gbit --batches 32 --configs single "ddp default" "ddp + powersgd"
+
+With --hosts RATE..., the DDP processes run one per host on hosts.py's network namespaces, over links capped at
+each RATE (tc's token bucket; needs root), against the single process on this machine: where communication
+hooks pay. The loss column is the mean training loss of the timed steps, on train_ddp.py's synthetic images.
 
 For each per-process batch size it runs every configuration in turn, each in fresh processes
 (torchrun for DDP), on synthetic data already in memory, and times each optimizer step after
@@ -28,7 +34,8 @@ import torch.nn.functional as F
 import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train_ddp import amp_context, memory_format, register_comm_hook
+import hosts
+from train_ddp import SyntheticImages, amp_context, memory_format, register_comm_hook, to_model_input
 
 # name -> worker flags. "single" is one process without DDP. "independent" runs --nproc
 # processes without DDP (the "--nproc" marker is not passed on): what sharing the machine costs
@@ -69,7 +76,8 @@ def parse_args():
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off")
     p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", action="store_true", help="also run each configuration with torch.compile")
+    p.add_argument("--hosts", nargs="+", metavar="RATE", help="run DDP on --nproc hosts over links of these rates")
     # Worker-only flags, set by the driver.
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -117,17 +125,16 @@ def worker(args):
             model.register_comm_hook(None, skip_all_reduce)
         else:
             register_comm_hook(model, args.hook, warmup_steps=2)
-    ddp_model = model  # no_sync() lives on the DDP wrapper, not on a compiled one
+    ddp_model = model  # no_sync() lives on the DDP wrapper
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
-    images = images.contiguous(memory_format=layout)
-    labels = torch.randint(0, 1000, (args.batch,), device=device)
+    batches = synthetic_batches(args, device)
     autocast = amp_context(args, device)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    times = []
-    for _ in range(args.warmup + args.steps):
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        images, labels = batches[step % len(batches)]
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         for micro in range(args.accum_steps):
@@ -141,63 +148,89 @@ def worker(args):
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step is done when the GPU is, not when Python returns
         times.append(time.perf_counter() - start)
+        losses.append(loss.detach() * args.accum_steps)
     if int(os.environ.get("RANK", 0)) == 0:
-        print(json.dumps({"step_seconds": times[args.warmup :]}), flush=True)
+        loss = torch.stack(losses[args.warmup :]).mean().item()
+        print(json.dumps({"step_seconds": times[args.warmup :], "loss": loss}), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def run(args, batch, flags):
-    """Start one configuration's processes and return its median step time in seconds."""
+def synthetic_batches(args, device):
+    """Eight batches of train_ddp.py's synthetic images, already on the device, each rank its own."""
+    images = SyntheticImages(10**9, 10, args.image_size, seed=0, split="train")
+    first = 8 * args.batch * int(os.environ.get("RANK", 0))
+    batches = []
+    for k in range(8):
+        pairs = [images[first + k * args.batch + i] for i in range(args.batch)]
+        batch = to_model_input(torch.stack([image for image, _ in pairs]), args, device)
+        batches.append((batch, torch.tensor([label for _, label in pairs], device=device)))
+    return batches
+
+
+def run(args, batch, flags, compiled, rate):
+    """Run one configuration's processes: its median step time in seconds, and its loss."""
     common = [
         "--worker", "--batch", str(batch), "--device", args.device, "--threads", str(args.threads),
         "--arch", args.arch, "--image-size", str(args.image_size), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--amp", args.amp, "--accum-steps", str(args.accum_steps),
-    ] + ["--channels-last"] * args.channels_last + ["--compile"] * args.compile  # fmt: skip
-    if flags == ["--no-ddp"]:
-        launcher = [sys.executable, __file__]
-    else:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={args.nproc}",
-            __file__,
-        ]
+    ] + ["--channels-last"] * args.channels_last + ["--compile"] * compiled  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    flags = [f for f in flags if f != "--nproc"]
-    proc = subprocess.run(launcher + common + flags, capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        sys.exit(f"bench_train: {' '.join(flags) or 'ddp default'} failed:\n{proc.stderr[-3000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
-    return statistics.median(json.loads(line)["step_seconds"])
+    command = [*common, *[f for f in flags if f != "--nproc"]]
+    if flags == ["--no-ddp"]:
+        outputs = [subprocess.run([sys.executable, __file__, *command], capture_output=True, text=True, env=env,
+                                  timeout=1800)]
+    elif rate:  # one process on each host, which reach each other over links of that rate
+        with hosts.Hosts(args.nproc, rate=rate) as on:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nproc), "--master-addr",
+                        on.address(0), "--master-port", "29500", "--nproc-per-node", "1"]
+            procs = [on.start(i, [*launcher, "--node-rank", str(i), __file__, *command], dict(env, GLOO_SOCKET_IFNAME="eth0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(args.nproc)]
+            outputs = [subprocess.CompletedProcess(p.args, 0, *p.communicate(timeout=1800)) for p in procs]
+            for output, proc in zip(outputs, procs):
+                output.returncode = proc.returncode
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+        outputs = [subprocess.run([*launcher, __file__, *command], capture_output=True, text=True, env=env,
+                                  timeout=1800)]
+    for output in outputs:
+        if output.returncode != 0:
+            sys.exit(f"bench_train: {' '.join(flags) or 'ddp default'} failed:\n{output.stderr[-3000:]}")
+    result = json.loads([line for line in outputs[0].stdout.splitlines() if line.startswith("{")][-1])
+    return statistics.median(result["step_seconds"]), result["loss"]
 
 
 def main():
     args = parse_args()
     if args.worker:
         return worker(args)
+    where = f"on {args.nproc} hosts" if args.hosts else f"on {args.nproc} processes"
     print(
         f"{args.arch} at {args.image_size} px on {args.device}, amp {args.amp}, "
-        f"channels_last {args.channels_last}, compile {args.compile}, "
-        f"{args.threads} thread(s) per process, DDP on {args.nproc} processes, "
+        f"channels_last {args.channels_last}, {args.threads} thread(s) per process, DDP {where}, "
         f"{args.accum_steps} micro-batch(es) per step, "
         f"median of {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}"
     )
-    print("| batch per process | configuration | images/s per process (runs) | vs single | vs independent |")
-    print("|---|---|---|---|---|")
-    for batch in args.batches:
-        runs = {name: [] for name in args.configs}
-        for _ in range(args.repeats):  # interleaved, so that drift in machine speed hits every configuration
-            for name in args.configs:
-                runs[name].append(batch * args.accum_steps / run(args, batch, CONFIGS[name]))
-        speed = {name: statistics.median(r) for name, r in runs.items()}
-        for name in args.configs:
-            ratios = [f"{speed[name] / speed[base]:.2f}" if base in speed and base != name else "-"
-                      for base in ("single", "independent")]  # fmt: skip
-            spread = ", ".join(f"{r:.1f}" for r in runs[name])
-            print(f"| {batch} | {name} | {speed[name]:.1f} ({spread}) | {' | '.join(ratios)} |", flush=True)
+    print("| link | batch per process | configuration | images/s per process (runs) | vs single | vs independent | loss |")
+    print("|---|---|---|---|---|---|---|")
+    variants = [(name, compiled) for name in args.configs for compiled in [False, True][: 1 + args.compile]]
+    for rate in args.hosts or [None]:
+        for batch in args.batches:
+            runs = {variant: [] for variant in variants}
+            losses = {variant: [] for variant in variants}
+            for _ in range(args.repeats):  # interleaved, so that drift in machine speed hits every configuration
+                for name, compiled in variants:
+                    seconds, loss = run(args, batch, CONFIGS[name], compiled, rate if name != "single" else None)
+                    runs[name, compiled].append(batch * args.accum_steps / seconds)
+                    losses[name, compiled].append(loss)
+            speed = {variant: statistics.median(r) for variant, r in runs.items()}
+            for name, compiled in variants:
+                ratios = [f"{speed[name, compiled] / speed[base, compiled]:.2f}"
+                          if (base, compiled) in speed and base != name else "-" for base in ("single", "independent")]
+                spread = ", ".join(f"{r:.1f}" for r in runs[name, compiled])
+                print(f"| {rate or 'this machine'} | {batch} | {name}{', compiled' * compiled} | "
+                      f"{speed[name, compiled]:.1f} ({spread}) | {' | '.join(ratios)} | "
+                      f"{statistics.median(losses[name, compiled]):.3f} |", flush=True)
 
 
 if __name__ == "__main__":

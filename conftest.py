@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "train_ddp.py")
 LAUNCH = str(HERE / "launch.sh")
 # 2 ranks x 32 steps x 2 epochs: enough for the synthetic task to be learned (val acc1 ~100%).
-TINY = ["--arch", "resnet18", "--train-samples", "512", "--val-samples", "50", "--batch-size", "8",
+TINY = ["--arch", "resnet18", "--train-samples", "512", "--val-samples", "50", "--batch-size", "8", "--lr", "0.02",
         "--epochs", "2", "--log-every", "4"]
 RUN_TIMEOUT = 120
 
@@ -129,3 +130,18 @@ def assert_same_weights(a, b, exact=True, **tolerance):
             assert torch.equal(a[key], b[key]), key
         else:
             torch.testing.assert_close(a[key].double(), b[key].double(), msg=key, **tolerance)
+
+
+def write_images(root, make_image, classes, per_split, suffix=".png"):
+    """Files in ImageFolder layout: root/<split>/<class>/<i><suffix>, make_image(label, i) -> uint8 HWC."""
+    for split, count in per_split.items():
+        for label, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(make_image(label, i).numpy()).save(root / split / name / f"{i}{suffix}", quality=90)
+    return root
+
+
+def noise_image(height, width):
+    return lambda label, i: torch.randint(0, 256, (height, width, 3), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(2 * i + label))

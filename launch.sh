@@ -46,6 +46,15 @@ LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
 
 if [[ -n ${NNODES:-} ]]; then
     : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
+    # gloo finds its address from the hostname, which often resolves to 127.0.1.1: unless set, both backends
+    # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it).
+    if [[ -z ${GLOO_SOCKET_IFNAME:-} ]] && command -v ip >/dev/null; then
+        addr=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}')
+        dev=$(ip -o addr show to "$addr" | awk '{print $2; exit}')
+        dev=${dev:-$(ip route get "$addr" | grep -o 'dev [^ ]*' | cut -d' ' -f2)}
+        export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
+        echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME (reaches MASTER_ADDR $addr)" >&2
+    fi
     rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
                 --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}"
                 --rdzv-id "${RUN_ID:-${SLURM_JOB_ID:-none}}")

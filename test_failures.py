@@ -5,6 +5,7 @@ Cases 2 to 4 resume the interrupted job and compare its final weights with an un
 run of the same arguments: they must be bit-identical on CPU.
 """
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
-    free_port, kill_pids, kill_tree, load, metrics, ok, run, torchrun
+    free_port, kill_pids, kill_tree, load, metrics, noise_image, ok, run, torchrun, write_images
 
 # TINY with 16 steps per epoch: these tests are about stopping and resuming, not accuracy.
 FAST = [*TINY, "--train-samples", "256"]
@@ -218,10 +219,10 @@ def test_sigterm_to_launcher_before_the_workers_start_stops_the_job(tmp_path):
     assert not left, f"still running after launch.sh exited {job.returncode}"
 
 
-def test_sigterm_at_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
-    # One step per epoch, and a SIGTERM sent at once, which the workers hold from their first line: the ranks
-    # first see it after that step, the epoch's last. A stop there would save step 1/1, and the resume would
-    # train no step of that epoch; the epoch must end, with its checkpoint and validation, and stop after them.
+def test_sigterm_never_saves_the_last_step_of_an_epoch(tmp_path):
+    # The ranks agree on a SIGTERM before each step, never after an epoch's last one (where saving step N/N would
+    # leave the resume an epoch of no step and a loss of nan). With one step per epoch and the signal sent at once,
+    # held by the workers from their first line, they stop before that step, and the resume trains it.
     one_step = ["--arch", "resnet18", "--train-samples", "16", "--val-samples", "4", "--batch-size", "8",
                 "--epochs", "2", "--checkpoint-dir", str(tmp_path), "--metrics-file", str(tmp_path / "m.jsonl")]
     job = start_logged(["bash", LAUNCH, "2", *one_step], subdir(tmp_path / "log"))
@@ -230,12 +231,12 @@ def test_sigterm_at_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
     os.kill(job.pid, signal.SIGTERM)
     wait_exit(job, 60)
     assert job.returncode == 0, stderr(job)[-3000:]
-    assert "stopped by SIGTERM after epoch 1; continue with --resume" in stdout(job), stdout(job)
-    assert (load(tmp_path / "last.pt")["epoch"], load(tmp_path / "last.pt")["step"]) == (1, 0)
+    assert "stopped by SIGTERM at epoch 1 step 0/1; continue with --resume" in stdout(job), stdout(job)
+    assert (load(tmp_path / "last.pt")["epoch"], load(tmp_path / "last.pt")["step"]) == (0, 0)
     resumed = ok(run(["bash", LAUNCH, "2", *one_step, "--resume", str(tmp_path / "last.pt")]))
-    assert "at epoch 2 step 0" in resumed.stdout
-    assert [r["epoch"] for r in metrics(tmp_path / "m.jsonl")] == [1, 2]
-    assert all(r["train_loss"] > 0 for r in metrics(tmp_path / "m.jsonl")), metrics(tmp_path / "m.jsonl")
+    assert "at epoch 1 step 0" in resumed.stdout
+    records = metrics(tmp_path / "m.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2] and all(r["train_loss"] > 0 for r in records), records
 
 
 def test_sigterm_during_validation_stops_when_it_ends(tmp_path, uninterrupted):
@@ -322,8 +323,8 @@ BAD_INPUTS = {
                                     "--arch googlenet returns GoogLeNetOutputs, not logits"),
     "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
     "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
-    "workers beyond /dev/shm": (["2", "--workers", "8", "--batch-size", "4096", "--image-size", "224"],
-                                "--workers 8: 2 process(es) x 17 batches of 2352 MB need 79968 MB of /dev/shm"),
+    "workers beyond /dev/shm": (["2", "--workers", "64", "--batch-size", "8192", "--image-size", "224"],
+                                "--workers 64: 2 process(es) x 129 batches of 1176 MB need 303408 MB of /dev/shm"),
     "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],
                                     "--checkpoint-dir: cannot write under {root}/a_file; "
                                     "expected a writable directory"),
@@ -378,6 +379,28 @@ def test_val_set_smaller_than_world_size_works(tmp_path):
     assert record["val_samples"] == 2 and record["val_acc1"] in (0.0, 50.0, 100.0)
 
 
+def test_unreadable_image_mid_epoch_stops_every_rank_with_one_line(tmp_path):
+    # An ImageFolder of JPEGs trained for an epoch; then one file is damaged, and the resumed run meets it in
+    # a DataLoader worker mid-epoch. The rank that read it names it, rank 0 says which rank failed, every rank
+    # stops at once (no other rank left in a collective), and last.pt is the epoch-1 checkpoint, as it was.
+    data = write_images(tmp_path / "data", noise_image(32, 32), ["a", "b"], {"train": 32, "val": 4}, ".jpg")
+    args = ["--data", str(data), "--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--workers", "1",
+            "--checkpoint-dir", str(tmp_path / "ck")]
+    ok(run(["bash", LAUNCH, "2", *args, "--epochs", "1"]))
+    before = (tmp_path / "ck" / "last.pt").read_bytes()
+    damaged = data / "train" / "b" / "7.jpg"
+    damaged.write_bytes(damaged.read_bytes()[:300])
+    result = run(["bash", LAUNCH, "2", *args, "--epochs", "2", "--resume", str(tmp_path / "ck" / "last.pt")], timeout=90)
+    assert result.returncode != 0 and result.seconds < 60
+    ours = [line for line in result.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
+    assert len(ours) == 2 and f'File "{TRAIN}"' not in result.stderr, result.stderr  # no traceback from any rank
+    failed = next(line for line in ours if "cannot read" in line)
+    rank = re.search(r"rank (\d): cannot read ", failed)[1]
+    assert f"cannot read {damaged} (" in failed and failed.endswith("; remove or replace that file"), failed
+    assert f"train_ddp.py: error: rank 0: stopping: rank {rank} failed (see above)" in ours
+    assert (tmp_path / "ck" / "last.pt").read_bytes() == before
+
+
 # ---------------------------------------------------------------- 7. a rank late at evaluation
 def test_rank_late_at_evaluation_does_not_time_out(tmp_path):
     # Rank 1 is frozen for longer than --init-timeout just as rank 0 starts validating: the
@@ -409,6 +432,7 @@ def test_nodes_resuming_from_different_checkpoints_all_stop(tmp_path):
         wait_exit(node, 60)
     assert all(node.returncode != 0 for node in nodes)
     errors = stderr(nodes[0]) + stderr(nodes[1])
-    assert errors.count("train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: epoch 1 "
-                        "step 0, weights ") == 1, errors[-3000:]
+    for node in nodes:  # each node says it, once
+        assert stderr(node).count("train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: "
+                                  "epoch 1 step 0, weights ") == 1, stderr(node)[-3000:]
     assert "; rank 1: a fresh start); give every node the same --resume file" in errors

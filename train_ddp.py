@@ -45,24 +45,29 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import transforms
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms import v2
 
 import gather_utils
 
 # On 2 CPU cores `bash launch.sh 4` must finish in minutes; on GPUs the same command is a
-# real-size ResNet-50 run. Only these defaults depend on the device. The CPU run has 96 steps
-# in all, too few to recover from the usual lr of 0.1.
+# real-size ResNet-50 run. Only these defaults depend on the device. On the CPU's 32 px images,
+# with 16 per rank for batch norm, ResNet-50's loss jumps about from an lr of 0.01 up.
 DEVICE_DEFAULTS = {
-    "cpu": dict(image_size=32, train_samples=2048, val_samples=500, batch_size=16, workers=0, lr=0.02),
+    "cpu": dict(image_size=32, train_samples=2048, val_samples=500, batch_size=16, workers=0, lr=0.005),
     "cuda": dict(image_size=224, train_samples=64000, val_samples=10000, batch_size=64, workers=6, lr=0.1),
 }
 ARCHS = torchvision.models.list_models(module=torchvision.models)
-SYNTHETIC_NOISE = 1.5  # noise std against class patterns of std ~0.75: learnable, but not in one step
+# Synthetic images: a pattern per class of about 7 gray levels (std) under noise of 48. One image is ambiguous,
+# the class shows only over many pixels: accuracy climbs for epochs, and stays below 100%.
+SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # what torchvision's weights expect
 # Images up to this size (CIFAR's 32 px, Tiny ImageNet's 64 px) train whole, padded and
 # cropped; ImageNet's random-resized crop, which can keep 8% of an image, throws their signal away.
 SMALL_IMAGE_MAX_SIZE = 64
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 IMAGE_FOLDER_ALLOWS_EMPTY = "allow_empty" in inspect.signature(torchvision.datasets.ImageFolder).parameters  # 0.17+
+BN_BATCHES = 4  # batches per rank that recalibrate_batch_norm averages before each validation
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
 
 
@@ -95,6 +100,8 @@ def parse_args(argv=None):
                    help="auto: nccl with CUDA, gloo without")
     p.add_argument("--init-timeout", type=float, default=60,
                    help="seconds to wait for all ranks to join the process group (default 60)")
+    p.add_argument("--collective-timeout", type=float, default=600,
+                   help="seconds a collective waits for a rank before every rank stops (default 600)")
     p.add_argument("--data", help="ImageFolder root with train/ and val/; default: synthetic data")
     p.add_argument("--train-samples", type=int, help="synthetic train set size (default 2048 on CPU, 64000 on GPU)")
     p.add_argument("--val-samples", type=int, help="synthetic val set size (default 500 on CPU, 10000 on GPU)")
@@ -104,6 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--no-flip", action="store_true",
                    help="no random horizontal flip, for --data where mirroring changes the class (digits, text)")
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model (default resnet50)")
+    p.add_argument("--weights", help="start from these weights: a torchvision name for --arch (IMAGENET1K_V2, "
+                                     "DEFAULT, ResNet50_Weights.IMAGENET1K_V2), or a file: a state dict or a last.pt")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (after DDP wraps it)")
     p.add_argument("--sync-bn", action="store_true", help="batch-norm statistics over all ranks")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on tensor cores)")
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
@@ -113,7 +123,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, help="per process (default 16 on CPU, 64 on GPU)")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 0.02 on CPU, 0.1 on GPU)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 0.005 on CPU, 0.1 on GPU)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up before the cosine decay")
@@ -121,20 +131,28 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
     p.add_argument("--checkpoint-dir", default="checkpoints", help="where rank 0 writes last.pt")
     p.add_argument("--resume", help="checkpoint to continue from")
-    p.add_argument("--evaluate", action="store_true", help="validate the --resume checkpoint, then exit")
+    p.add_argument("--evaluate", action="store_true", help="validate the --resume checkpoint or --weights, then exit")
     p.add_argument("--metrics-file", help="rank 0 appends one JSON line per epoch here")
     p.add_argument("--dry-run", action="store_true",
                    help="check the arguments, --data and --resume, then exit (launch.sh runs this first)")
+    p.set_defaults(resize=None, interpolation="bilinear")  # the validation resize, before the center crop
     args = p.parse_args(argv)
 
+    check_arch(args.arch)
+    weights = named_weights(args)
+    if weights and args.image_size is None:  # train and validate at the sizes the weights were published with
+        recipe = weights.transforms()
+        args.image_size, args.resize, args.interpolation = (recipe.crop_size[0], recipe.resize_size[0],
+                                                            recipe.interpolation.value)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in DEVICE_DEFAULTS[device_type].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.resize = args.resize or args.image_size * 256 // 224
     if args.backend == "auto":
         args.backend = "nccl" if device_type == "cuda" else "gloo"
     if args.local_rank is None:
-        args.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+        args.local_rank = env_local_rank()
     check_args(args)
     return args
 
@@ -172,8 +190,7 @@ def resume_path(args):
         if run_id == os.environ.get("TORCHELASTIC_RUN_ID"):
             return last
         if env_rank() == 0:
-            print(f"train_ddp.py: restart: ignoring {last}, written by another job (run id {run_id})",
-                  file=sys.stderr, flush=True)
+            say(f"restart: ignoring {last}, written by another job (run id {run_id})")
     return Path(args.resume) if args.resume else None
 
 
@@ -206,40 +223,49 @@ def process_group(args, device):
         # `finished` is freed, after the group. (The DDP model holds the group too: it is freed by now.)
         finished = dist.barrier(async_op=True)
         finished.wait()
+    except RuntimeError as e:  # a rank gone: one line from each rank left, not a traceback
+        if not peer_lost(e):
+            raise
+        rank_error(f"a collective failed: another rank stopped, or stopped answering for --collective-timeout "
+                   f"{args.collective_timeout:g} s; look for its own error ({str(e).strip().splitlines()[0]})")
     finally:
         dist.destroy_process_group()
 
 
 def init_distributed(args, device):
     rank, world_size = world_from_env()
-    # With NCCL, device_id (torch 2.3 and later) binds the communicator to this rank's GPU at once.
+    # On GPUs one group holds two backends: NCCL for the CUDA tensors, and gloo for gather_utils' small CPU
+    # collectives (the SIGTERM agreement, the metrics), which so never wait for the GPU.
+    backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
+    # device_id (torch 2.3 and later) binds NCCL's communicator to this rank's GPU at once.
     bind = {}
     if device.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         bind = {"device_id": device}
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         # `python train_ddp.py`, no launcher: init_process_group's default (env://) would need
         # MASTER_ADDR and MASTER_PORT; an in-memory store needs no address and no free port.
-        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (docs/launching.md)")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    # Forming the group (the rendezvous, gloo's connections) waits --init-timeout, and the collectives after it
+    # --collective-timeout; torch before 2.4 cannot change a group's timeout, so there both wait the latter.
+    set_timeout = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    timeout = datetime.timedelta(seconds=args.init_timeout if set_timeout else args.collective_timeout)
     try:
-        # The rendezvous store gets the short --init-timeout; the collectives keep the default
-        # (30 min gloo, 10 min NCCL), so a rank that is merely slow never trips them.
-        timeout = datetime.timedelta(seconds=args.init_timeout)
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         # torchrun keeps one store across restarts (MAX_RESTARTS), with the last attempt's keys in it.
         # Without a prefix per attempt, a restart hangs or fails to connect: on torch 2.14.1,
         # test_max_restarts_resumes_by_itself failed that way in 2 runs of 2 without this line.
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, **bind)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bind)
         dist.barrier()
-        # On NCCL, gather_utils' CPU collectives run on a gloo group that its first call forms:
-        # form it here, so that a network problem shows now, as one line.
-        gather_utils.all_gather_object(None)
+        gather_utils.all_gather_object(None)  # on GPUs, the gloo backend's first collective: its problems show now
     except (RuntimeError, ValueError) as e:
         rank_error(init_failure(e, args, world_size, address))
+    if set_timeout:
+        set_timeout(datetime.timedelta(seconds=args.collective_timeout))
 
 
 def world_from_env():
@@ -262,7 +288,9 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     check_same_start(checkpoint)
     train_set, val_set = build_datasets(args)  # 4. data
     steps = steps_per_epoch(train_set, args)
-    model = build_model(args, checkpoint)  # 5. model, the same weights on every rank
+    if named_weights(args):
+        fetch_weights(named_weights(args))
+    model, new_layers = build_model(args, checkpoint)  # 5. model, the same weights on every rank
     torch.manual_seed(args.seed + dist.get_rank())  # from here, one random stream per rank
     if args.evaluate:
         return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
@@ -277,8 +305,10 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         # main() holds the dict too).
         checkpoint.clear()
     scheduler = build_scheduler(optimizer, args, steps, warmup_steps, epoch * steps + step)
-    log(f"{args.arch} on {dist.get_world_size()} x {device.type} ({args.backend}), "
-        f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {describe_recipe(args)}, "
+    start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "") if args.weights else ""
+    start += ", compiled (the first step compiles, which takes a while)" if args.compile else ""
+    log(f"{args.arch}{start} on {dist.get_world_size()} x {device.type} ({args.backend}), "
+        f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {augmentation(train_set)}, "
         f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
     run = Training(model, optimizer, scheduler, scaler, steps_per_epoch=steps, epoch=epoch, step=step)
     fit(run, train_set, val_set, args, device, stop)
@@ -286,7 +316,7 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
 
 # ---------------------------------------------------------------- 4. data
 class SyntheticImages(Dataset):
-    """A learnable stand-in for ImageNet: a smooth pattern per class plus per-sample noise.
+    """A learnable stand-in for ImageNet: a smooth pattern per class under per-sample noise, as uint8 images.
 
     Sample i is computed on demand from (seed, split, i), so every rank and every run sees the
     same data without storing or downloading anything. Labels cycle through the classes.
@@ -304,39 +334,53 @@ class SyntheticImages(Dataset):
     def __getitem__(self, index):
         label = index % len(self.patterns)
         noise = torch.randn(self.patterns.shape[1:], generator=torch.Generator().manual_seed(self.noise_seed + index))
-        return self.patterns[label] + SYNTHETIC_NOISE * noise, label
+        image = 128 + SYNTHETIC_PATTERN * self.patterns[label] + SYNTHETIC_NOISE * noise
+        return image.round_().clamp_(0, 255).to(torch.uint8), label
 
 
 def build_datasets(args):
+    """uint8 images, as the loader's workers hand them over; to_model_input() makes them the model's input."""
     if not args.data:
         return (SyntheticImages(args.train_samples, args.num_classes, args.image_size, args.seed, "train"),
                 SyntheticImages(args.val_samples, args.num_classes, args.image_size, args.seed, "val"))
     size = args.image_size
     if size <= SMALL_IMAGE_MAX_SIZE:  # the whole image (squared at size), padded by 1/8 and cropped back
-        val_crop = [transforms.Resize(size), transforms.CenterCrop(size)]
-        train_crop = val_crop + [transforms.RandomCrop(size, padding=size // 8)]
+        val = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        train = val + [v2.RandomCrop(size, padding=size // 8)]
     else:  # ImageNet's recipe
-        train_crop = [transforms.RandomResizedCrop(size)]
-        val_crop = [transforms.Resize(size * 256 // 224), transforms.CenterCrop(size)]
-    flip = [] if args.no_flip else [transforms.RandomHorizontalFlip()]
-    to_tensor = [transforms.ToTensor(), transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])]
+        interpolation = v2.InterpolationMode(args.interpolation)
+        train = [v2.RandomResizedCrop(size, interpolation=interpolation, antialias=True)]
+        val = [v2.Resize(args.resize, interpolation=interpolation, antialias=True), v2.CenterCrop(size)]
+    flip = [] if args.no_flip else [v2.RandomHorizontalFlip()]
     root = Path(args.data)
     # A class without validation images keeps its label (check_image_folder matched the folders).
     options = {"allow_empty": True} if IMAGE_FOLDER_ALLOWS_EMPTY else {}
-    return (torchvision.datasets.ImageFolder(root / "train", transforms.Compose(train_crop + flip + to_tensor),
-                                             **options),
-            torchvision.datasets.ImageFolder(root / "val", transforms.Compose(val_crop + to_tensor), **options))
+    return (torchvision.datasets.ImageFolder(root / "train", v2.Compose(train + flip), loader=read_image, **options),
+            torchvision.datasets.ImageFolder(root / "val", v2.Compose(val), loader=read_image, **options))
 
 
-def describe_recipe(args):
-    """The training augmentation, for the log's start line."""
-    if not args.data:
+class UnreadableImage(Exception):
+    """A file of --data that no decoder can read: damaged, truncated, or not an image."""
+
+
+def read_image(path):
+    """A file as 3-channel RGB uint8 (grayscale, CMYK and alpha alike): torchvision.io's decoders for the formats
+    they read (JPEG, PNG, WebP, GIF), a third of PIL's time for JPEG; PIL for the others (BMP, TIFF, ...)."""
+    try:
+        image = decode_image(read_file(path), mode=ImageReadMode.RGB)
+    except RuntimeError:  # not a format torchvision.io reads, or a damaged file: PIL tells which
+        try:
+            image = v2.functional.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
+        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... for damaged files
+            raise UnreadableImage(f"{path} ({type(e).__name__}: {str(e).strip()})") from None
+    return image if image.dtype == torch.uint8 else v2.functional.to_dtype(image, torch.uint8, scale=True)
+
+
+def augmentation(dataset):
+    """The training transforms, for the log's start line."""
+    if isinstance(dataset, SyntheticImages):
         return "synthetic data"
-    if args.image_size <= SMALL_IMAGE_MAX_SIZE:
-        recipe = f"small-image recipe (pad {args.image_size // 8} px, random crop"
-    else:
-        recipe = "ImageNet recipe (random resized crop"
-    return recipe + ("" if args.no_flip else ", flip") + ")"
+    return " > ".join(type(t).__name__ for t in dataset.transform.transforms)
 
 
 def steps_per_epoch(train_set, args):
@@ -351,15 +395,56 @@ def steps_per_epoch(train_set, args):
 
 # ---------------------------------------------------------------- 5. model, DDP, hooks
 def build_model(args, checkpoint):
-    """The bare model on the CPU, from --seed or the checkpoint: the same weights on every rank."""
+    """The bare model on the CPU, the same on every rank: from the checkpoint, else --weights, else --seed.
+    Returns it, and the layers that --weights left new: a classifier for another number of classes."""
     torch.manual_seed(args.seed)
-    classes = args.num_classes
-    if args.data:  # ImageFolder's classes are the folders in train/
-        classes = len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
-    model = torchvision.models.get_model(args.arch, weights=None, num_classes=classes)
+    model = torchvision.models.get_model(args.arch, weights=None, num_classes=num_classes(args))
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
-    return model
+    elif args.weights:
+        weights = named_weights(args)
+        state, new = fit_weights(weights.get_state_dict() if weights else read_weights_file(args.weights), model, args)
+        model.load_state_dict(state)
+        return model, new
+    return model, []
+
+
+def num_classes(args):
+    """--num-classes, or with --data ImageFolder's classes: the folders in train/."""
+    if args.data:
+        return len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
+    return args.num_classes
+
+
+def fit_weights(state, model, args):
+    """--weights' state dict, for `model`: every key, of the same shape, but the classifier's, which may be for another
+    number of classes; then the model keeps its new one. Returns the state to load, and the layers left new."""
+    own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
+    missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}  # weights before 0.4.1
+    if missing or theirs - own.keys():
+        fail(f"--weights {args.weights} does not fit --arch {args.arch}: missing keys {sorted(missing)[:3]}, "
+             f"unexpected keys {sorted(theirs - own.keys())[:3]}")
+    new = [key for key in theirs if state[key].shape != own[key].shape]
+    for key in new:
+        if state[key].shape[1:] != own[key].shape[1:] or own[key].shape[0] != num_classes(args):
+            fail(f"--weights {args.weights} does not fit --arch {args.arch}: {key} has shape "
+                 f"{list(state[key].shape)}, expected {list(own[key].shape)}")
+    return {**state, **{key: own[key] for key in new}}, sorted({key.rpartition(".")[0] for key in new})
+
+
+def fetch_weights(weights):
+    """Torchvision weights into torch's hub cache ($TORCH_HOME), downloaded once per machine: by its first process,
+    while the others wait in the gather; then every rank loads them from there."""
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
+    problem = None
+    if env_local_rank() == 0 and not path.is_file():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(weights.url, str(path), progress=False)
+        except Exception as e:
+            problem = (f"--weights {weights}: could not download {weights.url} ({type(e).__name__}: {e}); without a "
+                       f"network, place that file at {path}, or pass --weights PATH to a state dict")
+    stop_on_problems(gather_utils.all_gather_object(problem))
 
 
 def wrap_ddp(model, args, device, warmup_steps):
@@ -371,7 +456,9 @@ def wrap_ddp(model, args, device, warmup_steps):
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     register_comm_hook(ddp, args.comm_hook, warmup_steps)
-    return ddp
+    # Compiled after DDP wraps it, as PyTorch advises: the graph is then split at the gradient buckets, so each
+    # bucket's all-reduce still starts during the backward. The compiled module passes DDP's own attributes on.
+    return torch.compile(ddp) if args.compile else ddp
 
 
 def register_comm_hook(ddp, name, warmup_steps):
@@ -386,7 +473,8 @@ def register_comm_hook(ddp, name, warmup_steps):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=max(2, warmup_steps))
         hook = powerSGD_hook.powerSGD_hook
-        ddp.register_comm_hook(state, hook if dist.get_backend() == "nccl" else one_bucket_at_a_time(hook))
+        on_nccl = "cuda:nccl" in str(dist.get_backend_config())
+        ddp.register_comm_hook(state, hook if on_nccl else one_bucket_at_a_time(hook))
 
 
 def one_bucket_at_a_time(hook):
@@ -456,7 +544,7 @@ def fit(run, train_set, val_set, args, device, stop):
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=steps_left(sampler, run, args),
                             num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
                             generator=torch.Generator().manual_seed(worker_seed))
-        train_loss, stopped = train_one_epoch(run, loader, args, device, meter, stop)
+        train_stats, stopped = train_one_epoch(run, loader, args, device, meter, stop)
         if stopped:
             save_checkpoint(run, args)
             log(f"stopped by SIGTERM at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}; "
@@ -465,18 +553,20 @@ def fit(run, train_set, val_set, args, device, stop):
         run.epoch, run.step = epoch + 1, 0
         with meter.paused():
             checksums = replica_checksums(run.model)
+            recalibrate_batch_norm(run.model.module, train_set, sampler, args, device)
             sync_buffers(run.model.module)
             # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
             save_checkpoint(run, args)
             metrics = validate(run.model.module, val_set, args, device)
         rate = meter.images_per_sec()
-        record = {"epoch": epoch + 1, "train_loss": train_loss, **metrics, "images_per_sec": rate,
+        record = {"epoch": epoch + 1, **train_stats, **metrics, "images_per_sec": rate,
                   "epoch_seconds": time.perf_counter() - epoch_start, "replica_checksums": checksums}
         append_metrics(args, record)
-        log(f"epoch {epoch + 1}/{args.epochs} train_loss {float('nan') if train_loss is None else train_loss:.4f} "
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss {record['train_loss']:.4f} "
             f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
             f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
-            f"{'-' if rate is None else f'{rate:.1f}'} img/s {record['epoch_seconds']:.1f} s")
+            f"{'-' if rate is None else f'{rate:.1f}'} img/s data {record['data_wait']:.0%} "
+            f"{record['epoch_seconds']:.1f} s")
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
             log(f"stopped by SIGTERM after epoch {epoch + 1}; continue with --resume {last_checkpoint(args)}")
             return
@@ -492,47 +582,62 @@ def steps_left(sampler, run, args):
 def train_one_epoch(run, loader, args, device, meter, stop):
     """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM.
 
-    Returns the loss averaged over this call's steps and over ranks (None if no step ran), and
-    whether to stop.
+    Returns the loss and the share of time spent waiting for data (each over this call's steps, averaged over
+    ranks), and whether to stop.
     """
     run.model.train()
     autocast = amp_context(args, device)
-    first_step = run.step
-    loss_sum, step_loss = torch.zeros((), device=device), torch.zeros((), device=device)
-    for i, (images, labels) in enumerate(loader):
-        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
-        labels = labels.to(device, non_blocking=True)
-        last_micro_step = (i + 1) % args.accum_steps == 0
-        # Gradients of the earlier micro-batches only accumulate locally; one all-reduce per step.
-        with nullcontext() if last_micro_step else run.model.no_sync():
-            with autocast:
-                loss = F.cross_entropy(run.model(images), labels)
-            run.scaler.scale(loss / args.accum_steps).backward()
-        step_loss += loss.detach() / args.accum_steps
-        if not last_micro_step:
-            continue
+    batches, loss_sum, first_step = iter(loader), torch.zeros((), device=device), run.step
+    began = line_began = time.perf_counter()
+    waited = line_waited = 0.0  # on the host, without a device sync: a GPU busy with queued steps is not idle
+    while run.step < run.steps_per_epoch:
+        fetch_began = time.perf_counter()
+        try:
+            micro_batches, problem = [next(batches) for _ in range(args.accum_steps)], None
+        except UnreadableImage as e:
+            micro_batches, problem = [], unreadable(e)
+        fetched = time.perf_counter() - fetch_began
+        waited, line_waited = waited + fetched, line_waited + fetched
+        # Agreed before the step, so that one rank's SIGTERM, or an image it cannot read, stops all ranks here.
+        if stop.agreed(problem):
+            return None, True
+        step_loss = torch.zeros((), device=device)
+        for i, (images, labels) in enumerate(micro_batches):
+            images, labels = to_model_input(images, args, device), labels.to(device, non_blocking=True)
+            # Gradients of the earlier micro-batches only accumulate locally; one all-reduce per step.
+            with nullcontext() if i + 1 == args.accum_steps else run.model.no_sync():
+                with autocast:
+                    loss = F.cross_entropy(run.model(images), labels)
+                run.scaler.scale(loss / args.accum_steps).backward()
+            # Detached: reducing the live loss would put the collective into the autograd graph.
+            step_loss += loss.detach() / args.accum_steps
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
         run.scheduler.step()
         run.step += 1
         meter.step()
+        loss_sum += step_loss
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
-            # Detached: reducing the live loss would put the collective into the autograd graph.
-            mean_loss = gather_utils.all_reduce_mean(step_loss).item()
+            now = time.perf_counter()
+            mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": line_waited / (now - line_began)})
+            line_began, line_waited = now, 0.0
             global_step = run.epoch * run.steps_per_epoch + run.step
             rate = meter.images_per_sec()
             log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
-                f"({global_step}/{meter.total_steps}) loss {mean_loss:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} "
-                f"{'-' if rate is None else f'{rate:.1f}'} img/s eta {meter.eta(global_step, rate)}")
-        loss_sum += step_loss
-        step_loss.zero_()
-        # Not after the last step: the epoch's end saves last.pt anyway, and a resume of step N/N would train nothing.
-        if run.step < run.steps_per_epoch and stop.agreed():
-            return None, True
-    if run.step == first_step:
-        return None, False
-    return gather_utils.all_reduce_mean(loss_sum / (run.step - first_step)).item(), False
+                f"({global_step}/{meter.total_steps}) loss {mean['loss']:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} "
+                f"{'-' if rate is None else f'{rate:.1f}'} img/s data {mean['data']:.0%} "
+                f"eta {meter.eta(global_step, rate)}")
+    stats = {"train_loss": loss_sum / (run.step - first_step), "data_wait": waited / (time.perf_counter() - began)}
+    return gather_utils.all_reduce_mean(stats), False
+
+
+def to_model_input(images, args, device):
+    """A uint8 batch from the loader as the model takes it: on the device, in float, normalized, in the model's
+    memory format. Done here rather than in the loader's workers, so that batches cross shared memory, pinned
+    memory and the copy to the GPU at a quarter of float32's bytes, and the GPU does the arithmetic."""
+    images = images.to(device, non_blocking=True).float().div_(255)
+    return v2.functional.normalize(images, IMAGENET_MEAN, IMAGENET_STD).contiguous(memory_format=memory_format(args))
 
 
 @torch.no_grad()
@@ -548,23 +653,48 @@ def validate(model, val_set, args, device):
     indices = list(DistributedSampler(val_set, shuffle=False))
     loader = DataLoader(val_set, batch_size=args.batch_size, sampler=indices, num_workers=args.workers,
                         pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(args.seed))
-    rows = []
-    for images, labels in loader:
-        images = images.to(device, non_blocking=True, memory_format=memory_format(args))
-        labels = labels.to(device, non_blocking=True)
-        with autocast:
-            logits = model(images).float()
-        hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
-        loss = F.cross_entropy(logits, labels, reduction="none")
-        rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
+    rows, problem = [], None
+    try:
+        for images, labels in loader:
+            images, labels = to_model_input(images, args, device), labels.to(device, non_blocking=True)
+            with autocast:
+                logits = model(images).float()
+            hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
+            loss = F.cross_entropy(logits, labels, reduction="none")
+            rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
+    except UnreadableImage as e:
+        problem = unreadable(e)
+    stop_on_problems(gather_utils.all_gather_object(problem))  # before the gather, which every rank must reach
     rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices, device=device), len(val_set))
     loss, acc1, acc5 = rows.mean(dim=0).tolist()
     return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5, "val_samples": len(rows)}
 
 
+@torch.no_grad()
+def recalibrate_batch_norm(model, train_set, sampler, args, device):
+    """Batch-norm statistics of the weights as they are, from this rank's first BN_BATCHES training batches.
+
+    The running averages that training keeps trail the weights by about ten steps (momentum 0.1). When the
+    weights change fast, as in the first epochs of a short run, validating with them gives a loss in the
+    thousands at chance accuracy, though the model in training mode does well.
+    """
+    norms = [m for m in model.modules() if getattr(m, "track_running_stats", False)]
+    momenta = [norm.momentum for norm in norms]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # a plain average over the batches below
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=list(sampler)[: BN_BATCHES * args.batch_size],
+                        num_workers=args.workers, drop_last=True, generator=torch.Generator().manual_seed(args.seed))
+    model.train()
+    for images, _ in loader:
+        model(to_model_input(images, args, device))
+    for norm, momentum in zip(norms, momenta):
+        norm.momentum = momentum
+
+
 def evaluate(model, val_set, args, device, checkpoint):
     metrics = validate(model, val_set, args, device)
-    append_metrics(args, {"epoch": checkpoint["epoch"], **metrics})
+    append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
     log(json.dumps(metrics))
 
 
@@ -656,17 +786,28 @@ def env_rank():
     return world_from_env()[0]
 
 
+def env_local_rank():
+    """This process's rank on its machine, known before the process group exists."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+
+
 def fail(message):
-    """Every rank sees the same bad input, so only rank 0 says so: one line instead of N tracebacks."""
-    if env_rank() == 0:
-        print(f"train_ddp.py: error: {message}", file=sys.stderr, flush=True)
+    """Bad input, which every rank of a machine sees alike: its first process says so, one line for each machine
+    instead of N tracebacks (a machine whose --data or --resume differs from the others' says so too)."""
+    if env_local_rank() == 0:
+        say(f"error: {message}")
     sys.exit(2)
 
 
 def rank_error(message, code=1):
     """An error of this rank's own, which the others may not see: each rank says it, one line each."""
-    print(f"train_ddp.py: error: rank {env_rank()}: {message}", file=sys.stderr, flush=True)
+    say(f"error: rank {env_rank()}: {message}")
     sys.exit(code)
+
+
+def say(line):
+    """A line on stderr in one write, which the lines of other ranks on the same stream cannot split."""
+    sys.stderr.write(f"train_ddp.py: {line}\n")
 
 
 def check_args(args):
@@ -678,13 +819,9 @@ def check_args(args):
         fail(f"--num-classes must be at least 2, got {args.num_classes}")
     if args.workers < 0:
         fail(f"--workers must be 0 or more, got {args.workers}")
-    if args.init_timeout <= 0:
-        fail(f"--init-timeout must be a positive number of seconds, got {args.init_timeout}")
-    if args.arch not in ARCHS:
-        close = difflib.get_close_matches(args.arch, ARCHS, n=3, cutoff=0.5)
-        close = close or ["resnet18", "resnet50", "convnext_tiny"]
-        fail(f"unknown --arch '{args.arch}'; expected a torchvision classification model such as {', '.join(close)} "
-             f"(all of them: torchvision.models.list_models(module=torchvision.models))")
+    for name in ["init_timeout", "collective_timeout"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
     check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
@@ -694,8 +831,10 @@ def check_args(args):
     if torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
         fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} GPUs are "
              "visible; start at most one process per GPU")
-    if args.evaluate and not args.resume:
-        fail("--evaluate needs --resume PATH: the checkpoint to validate")
+    if args.evaluate and not (args.resume or args.weights):
+        fail("--evaluate needs --resume PATH or --weights: the model to validate")
+    if args.resume and args.weights:
+        fail("--resume and --weights: a resume continues from its checkpoint's weights; expected one of them")
     if args.amp == "fp16" and not torch.cuda.is_available() and not hasattr(torch.amp, "GradScaler"):
         fail(f"--amp fp16 on CPU needs torch 2.3 or later (a CPU GradScaler), this is {torch.__version__}; "
              "use --amp bf16")
@@ -707,10 +846,42 @@ def check_args(args):
              "PowerSGD's error feedback and skip every later step; use --amp bf16")
     if args.data:
         check_image_folder(Path(args.data))
+    if args.weights and not named_weights(args):
+        with torch.device("meta"):  # shapes only
+            model = torchvision.models.get_model(args.arch, num_classes=num_classes(args))
+        fit_weights(read_weights_file(args.weights), model, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
     if args.metrics_file:
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
-    check_shared_memory(args, local_world_size)
+    check_shared_memory(args)
+
+
+def check_arch(arch):
+    if arch not in ARCHS:
+        close = difflib.get_close_matches(arch, ARCHS, n=3, cutoff=0.5) or ["resnet18", "resnet50", "convnext_tiny"]
+        fail(f"unknown --arch '{arch}'; expected a torchvision classification model such as {', '.join(close)} "
+             f"(all of them: torchvision.models.list_models(module=torchvision.models))")
+
+
+def named_weights(args):
+    """The torchvision weights --weights names, e.g. IMAGENET1K_V2, DEFAULT or ResNet50_Weights.IMAGENET1K_V2;
+    None without --weights or for a file."""
+    if not args.weights or Path(args.weights).is_file():
+        return None
+    kinds = torchvision.models.get_model_weights(args.arch)
+    kind, _, name = args.weights.rpartition(".")
+    if kind not in ("", kinds.__name__) or name not in kinds.__members__:
+        fail(f"--weights {args.weights}: no such file, nor weights of --arch {args.arch}; expected a file or one of "
+             f"{', '.join(kinds.__members__)}")
+    return kinds[name]
+
+
+def read_weights_file(path):
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"--weights {path}: not a readable state dict ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
+    return state["model"] if isinstance(state, dict) and "model" in state else state  # a last.pt holds one
 
 
 def check_arch_trains(arch, image_size, training):
@@ -739,14 +910,17 @@ def check_writable(directory, flag):
         fail(f"{flag}: cannot write under {existing}; expected a writable directory")
 
 
-def check_shared_memory(args, local_world_size):
+def check_shared_memory(args):
     """DataLoader workers hand their batches over in /dev/shm; a container's default of 64 MB
     holds few 224 px batches, and running out kills the workers mid-epoch with a bus error."""
     if args.workers == 0 or not os.path.isdir("/dev/shm"):
         return
+    # The processes of this machine: torchrun's count, else the most srun tasks on one node ("8(x2),4").
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(
+        int(tasks.split("(")[0]) for tasks in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(","))
     shm = os.statvfs("/dev/shm")
     free_mb = shm.f_bavail * shm.f_frsize / 2**20
-    batch_mb = args.batch_size * 3 * args.image_size**2 * 4 / 2**20  # float32 images
+    batch_mb = args.batch_size * 3 * args.image_size**2 / 2**20  # uint8 images
     # Each worker prefetches 2 batches (DataLoader's default), and the process holds one more.
     need_mb = local_world_size * (2 * args.workers + 1) * batch_mb
     if need_mb > free_mb:
@@ -790,7 +964,12 @@ def init_failure(error, args, world_size, address):
         reason += ("; gloo finds its network interface from the hostname and ignores NCCL_SOCKET_IFNAME: "
                    "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
     return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "
-            f"expected WORLD_SIZE={world_size} ranks at {address} ({reason})")
+            f"expected WORLD_SIZE={world_size} ranks at {address}, and not all came or could connect ({reason})")
+
+
+def peer_lost(error):
+    """Whether a collective failed: gloo's connections closed or timed out, or NCCL's error (torch 2.1 and later)."""
+    return "gloo/transport" in str(error) or isinstance(error, getattr(dist, "DistBackendError", ()))
 
 
 def check_same_start(checkpoint):
@@ -835,8 +1014,29 @@ class SigtermStop:
         # kill the process as it exits, when Python has put back the default action.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-    def agreed(self):
-        return any(gather_utils.all_gather_object(self.requested.is_set()))
+    def agreed(self, problem=None):
+        """Whether to stop now, for a SIGTERM on any rank. Every rank's `problem` rides along: if any rank has one,
+        every rank exits (stop_on_problems)."""
+        notes = gather_utils.all_gather_object((self.requested.is_set(), problem))
+        stop_on_problems([problem for _, problem in notes])
+        return any(requested for requested, _ in notes)
+
+
+def stop_on_problems(problems):
+    """Every rank's problem (or None), as every rank gathered them. If any has one, each rank that has it says so,
+    rank 0 says who, and all exit 1 together, instead of leaving the others waiting in their next collective."""
+    failed = [rank for rank, problem in enumerate(problems) if problem]
+    if problems[dist.get_rank()]:
+        rank_error(problems[dist.get_rank()])
+    if failed and dist.get_rank() == 0:
+        say(f"error: rank 0: stopping: rank {', '.join(map(str, failed))} failed (see above)")
+    if failed:
+        sys.exit(1)
+
+
+def unreadable(error):
+    """The line for an UnreadableImage, also one that a DataLoader worker raised (its text ends with ours)."""
+    return f"cannot read {str(error).rsplit('UnreadableImage: ', 1)[-1].strip()}; remove or replace that file"
 
 
 class Throughput:
@@ -913,9 +1113,10 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         mean = totals[:c] / n
         var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0
         with torch.no_grad():
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * n / (n - 1), self.momentum)
             self.num_batches_tracked += 1
+            weight = 1 / self.num_batches_tracked.item() if self.momentum is None else self.momentum  # a plain average
+            self.running_mean.lerp_(mean, weight)
+            self.running_var.lerp_(var * n / (n - 1), weight)
         scale = self.weight * torch.rsqrt(var + self.eps)
         return (xf * scale.view(1, c, 1, 1) + (self.bias - mean * scale).view(1, c, 1, 1)).to(x.dtype)
 
