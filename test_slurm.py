@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCH, TRAIN, assert_same_weights, clean_env, free_port, load
+from conftest import LAUNCH, TRAIN, assert_same_weights, clean_env, free_port, load, noise_image, write_images
 
 SMALL = ["--arch", "resnet18", "--train-samples", "64", "--val-samples", "16", "--batch-size", "8", "--epochs", "1"]
 # 256 steps per epoch on 2 ranks, a step per log line: a job that is still training when stopped.
@@ -179,7 +179,7 @@ def test_plain_scancel_saves_before_the_kill(tmp_path, form):
     assert f"stopped by SIGTERM at epoch 1 step {checkpoint['step']}/256" in out, out[-4000:]
 
 
-def test_sigterm_while_importing_torch_stops_at_the_first_step(tmp_path):
+def test_sigterm_while_importing_torch_stops_before_the_first_step(tmp_path):
     job = submit(tmp_path, "srun", LONG)
 
     def importing():
@@ -192,8 +192,8 @@ def test_sigterm_while_importing_torch_stops_at_the_first_step(tmp_path):
     subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=30)
     state, exit_code, out = wait_end(job, tmp_path)
     assert (state, exit_code) == ("COMPLETED", "0:0"), out[-4000:]
-    assert load(tmp_path / "last.pt")["step"] == 1
-    assert f"stopped by SIGTERM at epoch 1 step 1/256; continue with --resume {tmp_path / 'last.pt'}" in out
+    assert (load(tmp_path / "last.pt")["epoch"], load(tmp_path / "last.pt")["step"]) == (0, 0)
+    assert f"stopped by SIGTERM at epoch 1 step 0/256; continue with --resume {tmp_path / 'last.pt'}" in out
 
 
 def holds_sigterm(pid):
@@ -215,3 +215,29 @@ def test_sigkill_of_a_task_ends_the_job_within_seconds(tmp_path, kill_on_bad_exi
     os.kill(tasks(job)[1], signal.SIGKILL)
     state, exit_code, out = wait_end(job, tmp_path, timeout=30)
     assert state == "FAILED" and exit_code != "0:0", out[-4000:]
+
+
+# ---------------------------------------------------------------- bad input under srun
+def test_unreadable_image_ends_the_job_with_one_line_and_the_checkpoint_intact(tmp_path):
+    # A damaged file among the val images: the epoch's checkpoint is saved before validation, the rank that reads
+    # the file names it, and every task stops together: the job fails within seconds, with last.pt intact.
+    data = write_images(tmp_path / "data", noise_image(32, 32), ["a", "b"], {"train": 16, "val": 4}, ".jpg")
+    damaged = data / "val" / "a" / "1.jpg"
+    damaged.write_text("not an image")
+    job = submit(tmp_path, "srun", ["--data", data, *SMALL[:2], "--image-size", "32", "--batch-size", "4"])
+    state, exit_code, out = wait_end(job, tmp_path)
+    assert state == "FAILED" and exit_code != "0:0", out[-4000:]
+    ours = [line for line in out.splitlines() if line.startswith("train_ddp.py: error:")]
+    assert len(ours) == 2 and f'File "{TRAIN}"' not in out, out[-4000:]
+    assert re.fullmatch(rf"train_ddp.py: error: rank [01]: cannot read {damaged} \(.*\); remove or replace that file",
+                        next(line for line in ours if "cannot read" in line)), ours
+    assert load(tmp_path / "last.pt")["epoch"] == 1
+
+
+def test_shared_memory_check_counts_the_tasks_of_a_node(tmp_path):
+    # No LOCAL_WORLD_SIZE under srun: the /dev/shm check counts srun's 2 tasks on the node, not 1.
+    job = submit(tmp_path, "srun", [*SMALL, "--workers", "64", "--batch-size", "8192", "--image-size", "224"])
+    state, _, out = wait_end(job, tmp_path)
+    assert state == "FAILED", out[-4000:]
+    assert "train_ddp.py: error: --workers 64: 2 process(es) x 129 batches of 1176 MB need 303408 MB of /dev/shm" \
+        in out, out[-4000:]

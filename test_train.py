@@ -498,6 +498,32 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
     assert accuracy["weights"] >= 90 and accuracy["scratch"] <= 75, accuracy
 
 
+def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
+    # inductor on the CPU (the machine's gcc), 2 ranks, with SyncBN, accumulation, bf16 autocast and PowerSGD
+    # all on: each logged loss within 2% of the eager run's (kernels that fuse and order their sums otherwise may
+    # round otherwise; here they agreed to 4 decimals), and each run's checkpoint resumes in the other mode.
+    args = ["--arch", "resnet18", "--train-samples", "128", "--val-samples", "16", "--batch-size", "8", "--lr", "0.02",
+            "--log-every", "2", "--sync-bn", "--accum-steps", "2", "--amp", "bf16", "--comm-hook", "powersgd",
+            "--warmup-epochs", "0"]
+    losses = {}
+    for mode in ["eager", "compiled"]:
+        flags = ["--compile"] if mode == "compiled" else []
+        result = ok(run(torchrun(2, *args, *flags, "--epochs", "1", "--checkpoint-dir", tmp_path / mode),
+                        timeout=300))
+        losses[mode] = [float(loss) for loss in re.findall(r" loss (\S+) lr ", result.stdout)]
+    assert "compiled (the first step compiles" in result.stdout
+    assert len(losses["eager"]) == len(losses["compiled"]) == 2, losses
+    for eager, compiled in zip(losses["eager"], losses["compiled"]):
+        assert abs(compiled - eager) <= 0.02 * eager, losses
+    assert load(tmp_path / "compiled" / "last.pt")["model"].keys() == load(tmp_path / "eager" / "last.pt")["model"].keys()
+    for mode, other in [("eager", "compiled"), ("compiled", "eager")]:  # each resumes the other's last.pt
+        flags = ["--compile"] if mode == "compiled" else []
+        result = ok(run(torchrun(2, *args, *flags, "--epochs", "2", "--checkpoint-dir", tmp_path / other,
+                                 "--resume", tmp_path / other / "last.pt"), timeout=300))
+        assert f"resumed from {tmp_path / other / 'last.pt'} at epoch 2 step 0" in result.stdout
+        assert load(tmp_path / other / "last.pt")["epoch"] == 2
+
+
 def test_every_rank_exits_after_train_resume_and_evaluate(tmp_path):
     # Before torch 2.14 a rank could hang at exit, after its work was done (process_group in
     # train_ddp.py): each run must end, on every rank, well within its timeout. .ci/older_torch.sh

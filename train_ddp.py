@@ -456,9 +456,13 @@ def wrap_ddp(model, args, device, warmup_steps):
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     register_comm_hook(ddp, args.comm_hook, warmup_steps)
+    if not args.compile:
+        return ddp
     # Compiled after DDP wraps it, as PyTorch advises: the graph is then split at the gradient buckets, so each
     # bucket's all-reduce still starts during the backward. The compiled module passes DDP's own attributes on.
-    return torch.compile(ddp) if args.compile else ddp
+    # inductor gives 1x1 convolutions' gradients other strides than their weights', which DDP copies and warns of.
+    warnings.filterwarnings("ignore", "Grad strides do not match bucket view strides")
+    return torch.compile(ddp)
 
 
 def register_comm_hook(ddp, name, warmup_steps):
