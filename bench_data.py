@@ -32,8 +32,8 @@ import train_ddp
 MEAN, STD = train_ddp.IMAGENET_MEAN, train_ddp.IMAGENET_STD
 
 
-def write_photographs(root, count, seed=0):
-    """`count` JPEGs in root/train/<class>/ and root/val/<class>/ (2 classes, the same files in both)."""
+def write_photographs(root, count, val_count=None, seed=0):
+    """`count` JPEGs in root/train/<class>/ (2 classes), the first `val_count` (default: all) also in root/val/."""
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
@@ -49,7 +49,7 @@ def write_photographs(root, count, seed=0):
         crop = photo.crop((left, top, left + width, top + height))
         if rng.random() < 0.5:
             crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        for split in ["train", "val"]:
+        for split in ["train", "val"][: 1 + (val_count is None or i < val_count)]:
             crop.save(Path(root) / split / f"class{i % 2}" / f"{i:05d}.jpg", quality=90)
 
 
@@ -96,9 +96,10 @@ def main():
     p.add_argument("--images", type=int, default=512, help="photographs (default 512)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--write-folder", metavar="DIR", help="only write the ImageFolder of photographs there")
+    p.add_argument("--val-images", type=int, help="with --write-folder: photographs also in val/ (default: all)")
     args = p.parse_args()
     if args.write_folder:
-        return write_photographs(args.write_folder, args.images)
+        return write_photographs(args.write_folder, args.images, args.val_images)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -3,7 +3,8 @@
 # nothing installed), inside a deadline. Most valuable first: the gather tests over NCCL and over gloo with CUDA
 # tensors; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against one process);
 # train_ddp.py on NCCL: fp32, resume, --evaluate, SIGTERM mid-epoch and its resume; bf16 + channels-last, fp16,
-# each hook, SyncBN; then ResNet-50 speed at 224 px.
+# each hook, SyncBN, --compile, a fine-tune from --weights; then ResNet-50 speed at 224 px, on synthetic batches
+# already on the GPU and through the DataLoader from JPEG photographs (is the GPU waiting for its input?).
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 480)
 #   DEADLINE=600 bash gpu_check.sh
@@ -32,7 +33,7 @@ deadline=$((SECONDS + ${DEADLINE:-480}))
 export OMP_NUM_THREADS=4 PYTHONPATH=$PWD
 py=python3
 names=() results=() seconds=() notes=()
-running=
+running= current= current_began=
 
 # The pid of the step in flight, and every process under it (torchrun starts its workers in sessions of their own).
 tree() {
@@ -92,7 +93,7 @@ step() {
     ((limit > left)) && limit=$left
     echo "== $name"
     setsid "$@" >"$logs/$name.log" 2>&1 </dev/null &
-    pid=$! running=$!
+    pid=$! running=$! current=$name current_began=$began
     while kill -0 "$pid" 2>/dev/null && ((SECONDS - began < limit)); do sleep 0.2; done
     if kill -0 "$pid" 2>/dev/null; then
         kill_tree "$pid"
@@ -140,7 +141,11 @@ EOF
 }
 
 finish() {
-    [[ -n $running ]] && kill_tree "$running"
+    local status=$?
+    if [[ -n $running ]]; then
+        kill_tree "$running"
+        record "$current" stopped $((SECONDS - current_began))
+    fi
     echo
     printf '| step | result | seconds | note |\n|---|---|---|---|\n'
     local i failed=0
@@ -148,6 +153,7 @@ finish() {
         printf '| %s | %s | %s | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "${notes[$i]}"
         [[ ${results[$i]} == pass || ${results[$i]} == skipped ]] || failed=$((failed + 1))
     done
+    ((status == 0)) || failed=$((failed > 0 ? failed : 1))
     tar -czf "$out/step_logs.tar.gz" -C "$logs" . && rm -r "$logs"
     rm -rf "$work"
     echo "$failed step(s) failed, $((SECONDS)) s; logs in $out"
@@ -161,12 +167,20 @@ if ((rehearse)); then
            --epochs 2 --log-every 4)
     val=32 on="1 x cpu (gloo)" long=(--train-samples 2048) fp16=(--train-samples 64)  # fp16 on a CPU is slow
     bench=(bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2 --repeats 1)
+    photos=(--images 96 --val-images 16) real=(--arch resnet18 --image-size 64 --batch-size 16 --workers 2)
 else
     # DataLoader workers pass batches through /dev/shm: 2 workers x 3 batches of 0.8 MB fit in any.
     small=(--arch resnet18 --image-size 64 --train-samples 2048 --val-samples 256 --batch-size 64 --workers 2
            --epochs 2 --log-every 8)
     val=256 on="1 x cuda (nccl)" long=(--train-samples 16384) fp16=()
     bench=(bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1)
+    # JPEGs at ImageNet's size, a DataLoader worker for each core but two (one for this process, one spare), as
+    # many as /dev/shm holds: each prefetches 2 uint8 batches of 37 MB (and the process holds one).
+    workers=$(($(nproc) - 2)) shm_workers=$(( ($(df -Pm /dev/shm | awk 'NR == 2 {print $4}') / 37 - 1) / 2 ))
+    ((workers > shm_workers)) && workers=$shm_workers
+    photos=(--images 4096 --val-images 512)
+    real=(--arch resnet50 --image-size 224 --batch-size 256 --workers $((workers > 1 ? workers : 1)) --amp bf16
+          --channels-last)
 fi
 train=($py -m torch.distributed.run --standalone --nproc-per-node 1 train_ddp.py "${small[@]}")
 learned() {  # name: the step's metrics file shows 2 epochs of falling loss over every val image
@@ -206,7 +220,7 @@ def trained(model, x, y):
         optimizer.step()
     return model
 torch.manual_seed(0)
-args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none")
+args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none", compile=False)
 ddp = train_ddp.wrap_ddp(torchvision.models.resnet18(num_classes=10), args, device, warmup_steps=0)
 mine = slice(8 * rank, 8 * rank + 8)
 checksums = train_ddp.replica_checksums(trained(ddp, images[mine], labels[mine]))
@@ -259,6 +273,14 @@ for hook in fp16 bf16 powersgd; do
 done
 step sync_bn 120 "${train[@]}" --sync-bn --checkpoint-dir "$work/sync_bn" --metrics-file "$work/sync_bn.jsonl"
 learned sync_bn
+step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
+learned compile
+verify compile "assert 'compiled (the first step compiles' in log('compile')"
+# A fine-tune: train_fp32's checkpoint (10 classes) into a model of 4, whose classifier is new.
+step weights 120 "${train[@]}" --weights "$work/fp32/last.pt" --num-classes 4 --checkpoint-dir "$work/weights" \
+    --metrics-file "$work/weights.jsonl"
+learned weights
+verify weights "assert f'from {work}/fp32/last.pt (new fc)' in log('weights'), 'no new classifier'"
 
 # Speed: ResNet-50, synthetic batches already on the device, one process without and with DDP.
 speed() {  # name, bench_train.py flags: the step, with its images/s as the note
@@ -270,3 +292,11 @@ speed() {  # name, bench_train.py flags: the step, with its images/s as the note
 }
 speed speed_fp32 --amp off
 speed speed_bf16_channels_last --amp bf16 --channels-last
+
+# Real images: the photographs through train_ddp.py's input pipeline, against the synthetic batches above.
+step photographs 90 $py bench_data.py --write-folder "$work/photos" "${photos[@]}"
+step real_data 180 $py -m torch.distributed.run --standalone --nproc-per-node 1 train_ddp.py --data "$work/photos" \
+    "${real[@]}" --epochs 2 --log-every 4 --checkpoint-dir "$work/real" --metrics-file "$work/real_data.jsonl"
+verify real_data "r = m('real_data.jsonl')[-1]; assert r['images_per_sec'] > 0 and 0 <= r['data_wait'] < 1, r
+print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}\")"
+[[ ${results[-1]} == pass ]] && notes[-1]=$(grep -o 'NOTE .*' "$logs/real_data.log" | cut -c6-) && write_summary

@@ -4,6 +4,7 @@ ports really taken, bad input really given. CPU/gloo, each with a hard timeout.
 Cases 2 to 4 resume the interrupted job and compare its final weights with an uninterrupted
 run of the same arguments: they must be bit-identical on CPU.
 """
+import json
 import os
 import re
 import signal
@@ -78,7 +79,7 @@ def proc_file(pid, name):
     """The bytes of /proc/<pid>/<name>, or b"" once the process is gone."""
     try:
         return Path(f"/proc/{pid}/{name}").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:  # gone, or not ours to read
         return b""
 
 
@@ -436,3 +437,49 @@ def test_nodes_resuming_from_different_checkpoints_all_stop(tmp_path):
         assert stderr(node).count("train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: "
                                   "epoch 1 step 0, weights ") == 1, stderr(node)[-3000:]
     assert "; rank 1: a fresh start); give every node the same --resume file" in errors
+
+
+# ---------------------------------------------------------------- 9. gpu_check.sh, which has one try on a GPU machine
+def gpu_check(tmp_path, deadline):
+    """gpu_check.sh --rehearse (its steps on the CPU) under DEADLINE, its output in tmp_path/out."""
+    return start_logged(["bash", str(Path(TRAIN).parent / "gpu_check.sh"), "--rehearse"], tmp_path,
+                        env=clean_env(DEADLINE=deadline, OUT=tmp_path / "out"))
+
+
+def left_by(tmp_path):
+    """Processes still running with tmp_path in their command line or environment."""
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if p.name != str(os.getpid())
+            and str(tmp_path).encode() in proc_file(p.name, "cmdline") + proc_file(p.name, "environ")]
+
+
+def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
+    # 40 s: time for a step or two of the 20, each started only with 20 s left, and cut at the deadline.
+    job = gpu_check(tmp_path, 40)
+    seconds = wait_exit(job, 40 + 60)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    results = {step["step"]: (step["result"], step["note"]) for step in summary["steps"]}
+    assert seconds < 40 + 30 and job.returncode in (0, 1), stdout(job)[-3000:]
+    assert results["gather_nccl"] == ("skipped", "needs a GPU")
+    assert results["shared_device_sync_bn_and_replicas"][0] in ("pass", "timeout"), results
+    assert results["real_data"] == ("skipped", "deadline") and set(results) >= {"speed_fp32", "compile", "weights"}
+    assert job.returncode == any(result not in ("pass", "skipped") for result, _ in results.values())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log", "step_logs.tar.gz",
+                                                                      "summary.json"]
+    assert not left_by(tmp_path)
+
+
+def test_gpu_check_on_sigterm_kills_its_step_and_packs_what_it_has(tmp_path):
+    job = gpu_check(tmp_path, 480)
+    wait_for(lambda: "== train_fp32" in stdout(job), job, "the training step", interval=0.1)
+    time.sleep(3)  # the step's processes are up
+    os.kill(job.pid, signal.SIGTERM)
+    wait_exit(job, 30)
+    assert job.returncode == 1 and "gpu_check.sh: stopped by a signal" in stdout(job), stdout(job)[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(step["step"], step["result"]) for step in summary["steps"][-2:]] == [
+        ("shared_device_sync_bn_and_replicas", "pass"), ("train_fp32", "stopped")], summary
+    assert (tmp_path / "out" / "step_logs.tar.gz").exists() and not (tmp_path / "out" / "logs").exists()
+    time.sleep(1)
+    left = left_by(tmp_path)
+    kill_pids(left)
+    assert not left
