@@ -300,3 +300,4 @@ step real_data 180 $py -m torch.distributed.run --standalone --nproc-per-node 1 
 verify real_data "r = m('real_data.jsonl')[-1]; assert r['images_per_sec'] > 0 and 0 <= r['data_wait'] < 1, r
 print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}\")"
 [[ ${results[-1]} == pass ]] && notes[-1]=$(grep -o 'NOTE .*' "$logs/real_data.log" | cut -c6-) && write_summary
+exit 0  # finish(), the EXIT trap, reports and sets the exit code
