@@ -5,7 +5,6 @@ one). Without root or `ip netns` they skip; in CI (CI=true) they fail.
 Every run has a hard timeout, and every host's processes are killed when its test ends.
 """
 import os
-import re
 import signal
 import subprocess
 import sys

@@ -4,6 +4,7 @@ Every run uses a tiny configuration (ResNet-18 at 32 px, a few hundred synthetic
 free port, tmp_path for its files, and a hard timeout, so a hang fails fast.
 """
 import json
+import math
 import re
 import socket
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, finish, free_port, kill_tree, \
+from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, free_port, kill_tree, \
     load, metrics, noise_image, ok, run, start, torchrun, write_images
 
 pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own RUN_TIMEOUT
@@ -27,6 +28,18 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     result = ok(run(["bash", LAUNCH, "2", *TINY, "--checkpoint-dir", str(out), "--metrics-file", str(out / "m.jsonl")]))
     return out, result
+
+
+@pytest.mark.timeout(900)
+def test_the_demo_learns_over_its_three_epochs(tmp_path):
+    # `bash launch.sh 4` as the README shows it. The accuracy rises each epoch, to well above chance (10%) but
+    # below 100%, and the training loss falls; no validation loss tops 2 ln 10 = 4.6, twice a uniform guess's
+    # (before batch norm's statistics were recomputed for validation, epoch 1 showed 2368 at chance).
+    ok(run(["bash", LAUNCH, "4", "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl"], timeout=800))
+    records = metrics(tmp_path / "m.jsonl")
+    accuracy, train_loss = [r["val_acc1"] for r in records], [r["train_loss"] for r in records]
+    assert len(records) == 3 and accuracy[0] < accuracy[1] < accuracy[2] and 50 < accuracy[2] < 100, records
+    assert train_loss[0] > train_loss[1] > train_loss[2] and all(r["val_loss"] < 2 * math.log(10) for r in records)
 
 
 def test_launch_sh_trains_above_chance(reference):
@@ -189,8 +202,8 @@ def test_log_shows_step_loss_throughput_and_eta(reference):
     lines = [line for line in result.stdout.splitlines() if " step " in line]
     assert lines and all(re.search(r" loss \S+ lr \S+ .* img/s data \d+% eta ", line) for line in lines), lines
     assert any("img/s" in line and "eta 0:" in line for line in lines)
-    # Rank 0 logs alone: each step line appears once.
-    assert len(lines) == len(set(lines))
+    # Rank 0 logs alone: 2 epochs of 32 steps, a line every 4, once each.
+    assert len(lines) == 16 and len(set(lines)) == 16, lines
 
 
 def test_parameters_identical_on_every_rank(reference):
@@ -219,6 +232,21 @@ def test_plain_python_runs_as_one_process(tmp_path):
     assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 1
 
 
+def test_local_rank_comes_from_the_flag_else_the_launchers(monkeypatch):
+    # The legacy launcher passes --local-rank (or --local_rank) and sets LOCAL_RANK too: the flag alone must do.
+    import train_ddp
+
+    for name in ["LOCAL_RANK", "SLURM_LOCALID"]:
+        monkeypatch.delenv(name, raising=False)
+    assert train_ddp.parse_args(["--local-rank", "1"]).local_rank == 1
+    assert train_ddp.parse_args(["--local_rank=3"]).local_rank == 3
+    assert train_ddp.parse_args([]).local_rank == 0
+    monkeypatch.setenv("SLURM_LOCALID", "5")
+    assert train_ddp.parse_args([]).local_rank == 5
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert train_ddp.parse_args([]).local_rank == 2
+
+
 def test_legacy_launcher_passes_local_rank(tmp_path):
     # torch.distributed.launch passes --local-rank=N on the command line (torch >= 2.0).
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2", "--master-port", str(free_port()),
@@ -226,18 +254,6 @@ def test_legacy_launcher_passes_local_rank(tmp_path):
     result = ok(run(list(map(str, cmd))))
     assert "2 x cpu (gloo)" in result.stdout
     assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 50
-
-
-def test_two_nodes_on_loopback(tmp_path):
-    port = free_port()
-    nodes = [start(["bash", LAUNCH, "1", *TINY, "--epochs", "1", "--checkpoint-dir", str(tmp_path / f"node{r}"),
-                    "--metrics-file", str(tmp_path / "m.jsonl")],
-                   env=clean_env(NNODES=2, NODE_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
-    began = time.monotonic()
-    results = [ok(finish(p, RUN_TIMEOUT, began)) for p in nodes]
-    assert "2 x cpu (gloo)" in results[0].stdout
-    assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 2
-    assert (tmp_path / "node0" / "last.pt").exists() and not (tmp_path / "node1").exists()
 
 
 def test_distributed_validation_equals_single_process(tmp_path):
@@ -291,7 +307,12 @@ def test_resume_equals_uninterrupted(reference, tmp_path):
     kill_tree(proc)
     proc.communicate()
     assert load(tmp_path / "last.pt")["epoch"] == 1
-    ok(run(torchrun(2, *TINY, "--checkpoint-dir", tmp_path, "--resume", tmp_path / "last.pt")))
+    result = ok(run(torchrun(2, *TINY, "--checkpoint-dir", tmp_path, "--resume", tmp_path / "last.pt",
+                             "--metrics-file", tmp_path / "resumed.jsonl")))
+    # What only a resume does (a fresh start would end with the same weights: CPU training is deterministic):
+    # it says so, and trains the second epoch alone.
+    assert f"resumed from {tmp_path / 'last.pt'} at epoch 2 step 0" in result.stdout
+    assert "epoch 1/2" not in result.stdout and [r["epoch"] for r in metrics(tmp_path / "resumed.jsonl")] == [2]
     assert_same_weights(load(tmp_path / "last.pt")["model"], load(out / "last.pt")["model"])
 
 
@@ -488,12 +509,12 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
     common = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "8", "--lr", "0.02"]
     ok(run(torchrun(2, *common, "--data", four, "--epochs", "3", "--checkpoint-dir", tmp_path / "pre")))
     accuracy, logs = {}, {}
-    for start in ["weights", "scratch"]:
-        weights = ["--weights", tmp_path / "pre" / "last.pt"] if start == "weights" else []
-        logs[start] = ok(run(torchrun(2, *common, "--data", two, "--epochs", "1", "--warmup-epochs", "0", *weights,
-                                      "--checkpoint-dir", tmp_path / start,
-                                      "--metrics-file", tmp_path / f"{start}.jsonl"))).stdout
-        accuracy[start] = metrics(tmp_path / f"{start}.jsonl")[0]["val_acc1"]
+    for begin in ["weights", "scratch"]:
+        weights = ["--weights", tmp_path / "pre" / "last.pt"] if begin == "weights" else []
+        logs[begin] = ok(run(torchrun(2, *common, "--data", two, "--epochs", "1", "--warmup-epochs", "0", *weights,
+                                      "--checkpoint-dir", tmp_path / begin,
+                                      "--metrics-file", tmp_path / f"{begin}.jsonl"))).stdout
+        accuracy[begin] = metrics(tmp_path / f"{begin}.jsonl")[0]["val_acc1"]
     assert f"resnet18 from {tmp_path / 'pre' / 'last.pt'} (new fc) on 2 x cpu" in logs["weights"], logs["weights"]
     assert accuracy["weights"] >= 90 and accuracy["scratch"] <= 75, accuracy
 
