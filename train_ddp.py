@@ -4,17 +4,15 @@
     torchrun --standalone --nproc-per-node 4 train_ddp.py   # the same by hand
     python train_ddp.py                                     # a single process, no launcher
 
-Without --data it trains on a synthetic dataset generated in memory, so it runs anywhere.
-main() is the table of contents and the functions follow in the order it calls them:
-arguments, device, process group, data, model and DDP, training with exact validation,
-checkpoints, clean-up. The checks that guard the story come after it. docs/training.md explains the flags.
+Without --data it trains on synthetic images made in memory, so it runs anywhere. main() is the table of contents;
+the functions follow in the order it calls them, and the checks that guard the story come after them.
+docs/training.md explains the flags.
 """
 import signal
 
 if __name__ == "__main__":
-    # SLURM and Kubernetes may send SIGTERM in the seconds the imports below take. Blocked, it
-    # waits for main(), which stops training cleanly at the first step, instead of killing the
-    # process. Its action is the default, not the ignore that launch.sh's torchrun passes on.
+    # A SIGTERM (SLURM, Kubernetes) during the imports waits, blocked, for main() to stop cleanly at the first step.
+    # Its action is the default, not the ignore that launch.sh's torchrun passes on.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -22,7 +20,6 @@ import argparse
 import datetime
 import difflib
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -50,9 +47,8 @@ from torchvision.transforms import v2
 
 import gather_utils
 
-# On 2 CPU cores `bash launch.sh 4` must finish in minutes; on GPUs the same command is a
-# real-size ResNet-50 run. Only these defaults depend on the device. On the CPU's 32 px images,
-# with 16 per rank for batch norm, ResNet-50's loss jumps about from an lr of 0.01 up.
+# On 2 CPU cores `bash launch.sh 4` must finish in minutes; on GPUs it is a real-size ResNet-50 run. On the CPU's
+# 32 px images, 16 per rank, ResNet-50's loss jumps about from an lr of 0.01 up.
 DEVICE_DEFAULTS = {
     "cpu": dict(image_size=32, train_samples=2048, val_samples=500, batch_size=16, workers=0, lr=0.005),
     "cuda": dict(image_size=224, train_samples=64000, val_samples=10000, batch_size=64, workers=6, lr=0.1),
@@ -62,13 +58,10 @@ ARCHS = torchvision.models.list_models(module=torchvision.models)
 # the class shows only over many pixels: accuracy climbs for epochs, and stays below 100%.
 SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # what torchvision's weights expect
-# Images up to this size (CIFAR's 32 px, Tiny ImageNet's 64 px) train whole, padded and
-# cropped; ImageNet's random-resized crop, which can keep 8% of an image, throws their signal away.
+# Images up to this size (CIFAR, Tiny ImageNet) train whole: a random-resized crop, which may keep 8%, loses them.
 SMALL_IMAGE_MAX_SIZE = 64
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
-IMAGE_FOLDER_ALLOWS_EMPTY = "allow_empty" in inspect.signature(torchvision.datasets.ImageFolder).parameters  # 0.17+
 BN_BATCHES = 4  # batches per rank that recalibrate_batch_norm averages before each validation
-TIMING_WARMUP_STEPS = 3  # the first steps pay for allocator growth, cudnn autotuning and DDP bucket setup
 
 
 def main(argv=None):
@@ -77,8 +70,7 @@ def main(argv=None):
     resume_from, checkpoint = load_checkpoint(args)
     if args.dry_run:
         return
-    # Noted from here on, so that a SIGTERM while the group, data and model are set up still
-    # stops training cleanly, at its first step; so does one held since start-up (top of file).
+    # Noted from here on: a SIGTERM during the set-up, or held since start-up, stops training at its first step.
     stop = None if args.evaluate else SigtermStop()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)  # 2. device
@@ -94,32 +86,25 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv=None):
     p = ArgumentParser(description="DDP training of a torchvision classifier (see docs/training.md).")
-    p.add_argument("--local-rank", "--local_rank", type=int, default=None,
-                   help="set by the legacy torch.distributed.launch; otherwise LOCAL_RANK (torchrun) or SLURM_LOCALID")
-    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="auto: nccl with CUDA, gloo without")
-    p.add_argument("--init-timeout", type=float, default=60,
-                   help="seconds to wait for all ranks to join the process group (default 60)")
-    p.add_argument("--collective-timeout", type=float, default=600,
-                   help="seconds a collective waits for a rank before every rank stops (default 600)")
+    p.add_argument("--local-rank", "--local_rank", type=int, help="set by torch.distributed.launch (else LOCAL_RANK)")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl on GPUs, else gloo")
+    p.add_argument("--init-timeout", type=float, default=60, help="seconds for all ranks to join (default 60)")
+    p.add_argument("--collective-timeout", type=float, default=600, help="seconds a collective waits (default 600)")
     p.add_argument("--data", help="ImageFolder root with train/ and val/; default: synthetic data")
     p.add_argument("--train-samples", type=int, help="synthetic train set size (default 2048 on CPU, 64000 on GPU)")
     p.add_argument("--val-samples", type=int, help="synthetic val set size (default 500 on CPU, 10000 on GPU)")
     p.add_argument("--num-classes", type=int, default=10, help="synthetic classes (default 10)")
     p.add_argument("--image-size", type=int, help="crop size (default 32 on CPU, 224 on GPU)")
     p.add_argument("--workers", type=int, help="DataLoader workers per process (default 0 on CPU, 6 on GPU)")
-    p.add_argument("--no-flip", action="store_true",
-                   help="no random horizontal flip, for --data where mirroring changes the class (digits, text)")
+    p.add_argument("--no-flip", action="store_true", help="no horizontal flip: for --data whose mirror images differ")
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model (default resnet50)")
     p.add_argument("--weights", help="start from these weights: a torchvision name for --arch (IMAGENET1K_V2, "
                                      "DEFAULT, ResNet50_Weights.IMAGENET1K_V2), or a file: a state dict or a last.pt")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (after DDP wraps it)")
     p.add_argument("--sync-bn", action="store_true", help="batch-norm statistics over all ranks")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on tensor cores)")
-    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
-                   help="autocast dtype; fp16 adds a GradScaler")
-    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
-                   help="compress gradients before the all-reduce")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off", help="autocast dtype (fp16: a GradScaler)")
+    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none", help="compressed grads")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, help="per process (default 16 on CPU, 64 on GPU)")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
@@ -133,8 +118,7 @@ def parse_args(argv=None):
     p.add_argument("--resume", help="checkpoint to continue from")
     p.add_argument("--evaluate", action="store_true", help="validate the --resume checkpoint or --weights, then exit")
     p.add_argument("--metrics-file", help="rank 0 appends one JSON line per epoch here")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check the arguments, --data and --resume, then exit (launch.sh runs this first)")
+    p.add_argument("--dry-run", action="store_true", help="check arguments and files, then exit (launch.sh does)")
     p.set_defaults(resize=None, interpolation="bilinear")  # the validation resize, before the center crop
     args = p.parse_args(argv)
 
@@ -168,13 +152,10 @@ def load_checkpoint(args):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    if not isinstance(checkpoint, dict) or "arch" not in checkpoint.get("args", {}):
-        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected a dict with args.arch)")
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys {', '.join(sorted(CHECKPOINT_KEYS))})")
     if checkpoint["args"]["arch"] != args.arch:
         fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
-    missing = CHECKPOINT_KEYS - set(checkpoint)
-    if missing:
-        fail(f"--resume {path}: not a complete train_ddp.py checkpoint (missing {', '.join(sorted(missing))})")
     return path, checkpoint
 
 
@@ -182,14 +163,13 @@ def resume_path(args):
     """--resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt, once it has one."""
     last = last_checkpoint(args)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and last.exists():
-        # A last.pt left in the same directory by an earlier job must not pass for this job's.
-        try:
+        try:  # a last.pt that an earlier job left in the same directory must not pass for this job's
             run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("run_id")
         except Exception:  # unreadable: not this job's, which writes atomically
             run_id = None
         if run_id == os.environ.get("TORCHELASTIC_RUN_ID"):
             return last
-        if env_rank() == 0:
+        if world_from_env()[0] == 0:
             say(f"restart: ignoring {last}, written by another job (run id {run_id})")
     return Path(args.resume) if args.resume else None
 
@@ -199,8 +179,7 @@ def setup_device(args):
     # Before any CUDA work: otherwise every rank creates its context and tensors on GPU 0.
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    # Under SLURM with one GPU per task every task sees a single GPU, whatever its local rank;
-    # under torchrun, LOCAL_WORLD_SIZE says how many processes share this machine's GPUs.
+    # srun with one GPU per task: each task sees a single GPU, whatever its local rank.
     one_per_task = torch.cuda.device_count() == 1 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1
     index = 0 if one_per_task else args.local_rank
     if index >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
@@ -217,10 +196,9 @@ def process_group(args, device):
     init_distributed(args, device)
     try:
         yield
-        # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits
-        # for the group's worker threads, one of which may still be freeing the last collectives'
-        # tensors, which needs the GIL. This barrier's work keeps those tensors alive until
-        # `finished` is freed, after the group. (The DDP model holds the group too: it is freed by now.)
+        # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits for its
+        # threads, one of which may be freeing the last collectives' tensors, which needs the GIL. This barrier's
+        # work keeps those tensors alive until `finished` is freed, after the group.
         finished = dist.barrier(async_op=True)
         finished.wait()
     except RuntimeError as e:  # a rank gone: one line from each rank left, not a traceback
@@ -237,13 +215,8 @@ def init_distributed(args, device):
     # On GPUs one group holds two backends: NCCL for the CUDA tensors, and gloo for gather_utils' small CPU
     # collectives (the SIGTERM agreement, the metrics), which so never wait for the GPU.
     backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
-    # device_id (torch 2.3 and later) binds NCCL's communicator to this rank's GPU at once.
-    bind = {}
-    if device.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
-        bind = {"device_id": device}
-    if world_size == 1 and "MASTER_ADDR" not in os.environ:
-        # `python train_ddp.py`, no launcher: init_process_group's default (env://) would need
-        # MASTER_ADDR and MASTER_PORT; an in-memory store needs no address and no free port.
+    bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator on this GPU, at once
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: a store in memory, no address, no port
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
@@ -255,9 +228,8 @@ def init_distributed(args, device):
     timeout = datetime.timedelta(seconds=args.init_timeout if set_timeout else args.collective_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        # torchrun keeps one store across restarts (MAX_RESTARTS), with the last attempt's keys in it.
-        # Without a prefix per attempt, a restart hangs or fails to connect: on torch 2.14.1,
-        # test_max_restarts_resumes_by_itself failed that way in 2 runs of 2 without this line.
+        # torchrun keeps one store across restarts (MAX_RESTARTS), with the last attempt's keys in it: without a
+        # prefix per attempt a restart hangs or fails to connect (test_max_restarts_resumes_by_itself).
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bind)
         dist.barrier()
@@ -269,11 +241,8 @@ def init_distributed(args, device):
 
 
 def world_from_env():
-    """Global rank and world size: torchrun's variables, else those of an srun task, else one process.
-
-    A batch script sees SLURM_NTASKS and SLURM_PROCID=0 too, but they count the job's tasks and
-    the script runs once; only srun's tasks have SLURM_STEP_ID.
-    """
+    """Global rank and world size: torchrun's variables, else those of an srun task (a batch script sees
+    SLURM_NTASKS too, but runs once; only srun's tasks have SLURM_STEP_ID), else one process."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if "SLURM_STEP_ID" in os.environ:
@@ -293,7 +262,9 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     model, new_layers = build_model(args, checkpoint)  # 5. model, the same weights on every rank
     torch.manual_seed(args.seed + dist.get_rank())  # from here, one random stream per rank
     if args.evaluate:
-        return evaluate(model.to(device, memory_format=memory_format(args)), val_set, args, device, checkpoint)
+        metrics = validate(model.to(device, memory_format=memory_format(args)), val_set, args, device)
+        append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
+        return log(json.dumps(metrics))
     warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
     model = wrap_ddp(model, args, device, warmup_steps)
     optimizer, scaler = build_optimizer(model, args)
@@ -301,9 +272,7 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     if checkpoint:
         epoch, step = restore_training_state(checkpoint, optimizer, scaler, args)
         log(f"resumed from {resume_from} at epoch {epoch + 1} step {step}{changed_settings(checkpoint, args)}")
-        # The model and optimizer have what they need: free the rest for the whole run (emptied, since
-        # main() holds the dict too).
-        checkpoint.clear()
+        checkpoint.clear()  # the model and optimizer have what they need: free the rest (main() holds the dict)
     scheduler = build_scheduler(optimizer, args, steps, warmup_steps, epoch * steps + step)
     start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "") if args.weights else ""
     start += ", compiled (the first step compiles, which takes a while)" if args.compile else ""
@@ -316,11 +285,8 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
 
 # ---------------------------------------------------------------- 4. data
 class SyntheticImages(Dataset):
-    """A learnable stand-in for ImageNet: a smooth pattern per class under per-sample noise, as uint8 images.
-
-    Sample i is computed on demand from (seed, split, i), so every rank and every run sees the
-    same data without storing or downloading anything. Labels cycle through the classes.
-    """
+    """A learnable stand-in for ImageNet: a smooth pattern per class under noise, as uint8 images. Sample i is made
+    on demand from (seed, split, i): every rank and every run sees the same data. Labels cycle through the classes."""
 
     def __init__(self, num_samples, num_classes, image_size, seed, split):
         coarse = torch.randn(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
@@ -351,12 +317,11 @@ def build_datasets(args):
         interpolation = v2.InterpolationMode(args.interpolation)
         train = [v2.RandomResizedCrop(size, interpolation=interpolation, antialias=True)]
         val = [v2.Resize(args.resize, interpolation=interpolation, antialias=True), v2.CenterCrop(size)]
-    flip = [] if args.no_flip else [v2.RandomHorizontalFlip()]
+    train += [] if args.no_flip else [v2.RandomHorizontalFlip()]
+    # allow_empty: a class without validation images keeps its label (check_image_folder matched the folders).
     root = Path(args.data)
-    # A class without validation images keeps its label (check_image_folder matched the folders).
-    options = {"allow_empty": True} if IMAGE_FOLDER_ALLOWS_EMPTY else {}
-    return (torchvision.datasets.ImageFolder(root / "train", v2.Compose(train + flip), loader=read_image, **options),
-            torchvision.datasets.ImageFolder(root / "val", v2.Compose(val), loader=read_image, **options))
+    return (torchvision.datasets.ImageFolder(root / "train", v2.Compose(train), loader=read_image, allow_empty=True),
+            torchvision.datasets.ImageFolder(root / "val", v2.Compose(val), loader=read_image, allow_empty=True))
 
 
 class UnreadableImage(Exception):
@@ -378,9 +343,8 @@ def read_image(path):
 
 def augmentation(dataset):
     """The training transforms, for the log's start line."""
-    if isinstance(dataset, SyntheticImages):
-        return "synthetic data"
-    return " > ".join(type(t).__name__ for t in dataset.transform.transforms)
+    transform = getattr(dataset, "transform", None)  # SyntheticImages has none
+    return " > ".join(type(t).__name__ for t in transform.transforms) if transform else "synthetic data"
 
 
 def steps_per_epoch(train_set, args):
@@ -472,42 +436,31 @@ def register_comm_hook(ddp, name, warmup_steps):
     elif name == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif name == "powersgd":
-        # The state object lives as long as the model: it carries the error feedback and the
-        # warm-started low-rank factors from step to step. Plain all-reduce during the lr warm-up.
+        # The state carries the error feedback and the warm-started low-rank factors from step to step.
+        # Plain all-reduce during the lr warm-up.
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=max(2, warmup_steps))
-        hook = powerSGD_hook.powerSGD_hook
-        on_nccl = "cuda:nccl" in str(dist.get_backend_config())
-        ddp.register_comm_hook(state, hook if on_nccl else one_bucket_at_a_time(hook))
+        ddp.register_comm_hook(state, powersgd_hook)
 
 
-def one_bucket_at_a_time(hook):
-    """PowerSGD chains two all-reduces per bucket through callbacks. Gloo matches collectives
-    by issue order, which the callbacks of concurrent buckets make differ between ranks, so on
-    gloo each bucket finishes before the next one starts."""
-    def sequential_hook(state, bucket):
-        future = hook(state, bucket)
+def powersgd_hook(state, bucket):
+    """PowerSGD chains two all-reduces per bucket through callbacks. Gloo (CPU tensors) matches collectives by issue
+    order, which the callbacks of concurrent buckets make differ between ranks: there each bucket finishes first."""
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    if bucket.buffer().is_cpu:
         future.wait()
-        return future
-    return sequential_hook
+    return future
 
 
 def build_optimizer(model, args):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    enabled = args.amp == "fp16"
-    if hasattr(torch.amp, "GradScaler"):  # torch 2.3 and later
-        scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=enabled)
-    else:  # CUDA only; check_args refuses --amp fp16 on CPU there
-        scaler = torch.cuda.amp.GradScaler(enabled=enabled)
+    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=args.amp == "fp16")
     return optimizer, scaler
 
 
 def build_scheduler(optimizer, args, steps_per_epoch, warmup_steps, steps_done):
-    """Linear warm-up, then cosine decay, per optimizer step, placed after `steps_done` steps.
-
-    Placed, not loaded from the checkpoint: a resume on other ranks or batches has other steps
-    per epoch, and the saved count of the old ones would put the cosine out of step.
-    """
+    """Linear warm-up, then cosine decay, per optimizer step, placed after `steps_done` steps (not loaded from the
+    checkpoint, whose count of steps of another layout would put the cosine out of step)."""
     total_steps = args.epochs * steps_per_epoch
 
     def warmup_cosine(step):
@@ -537,63 +490,54 @@ class Training:
 def fit(run, train_set, val_set, args, device, stop):
     """Train from where `run` stands to the last epoch; after each epoch, save last.pt and validate."""
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
-    meter = Throughput(images_per_step, args.epochs * run.steps_per_epoch, device)
     for epoch in range(run.epoch, args.epochs):
         run.epoch, epoch_start = epoch, time.perf_counter()
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        # The loader's own generator seeds its workers: building a loader must not advance the
-        # global RNG, which a resume restores.
+        # Its own generator seeds the workers: a loader must not draw from the global RNG, which a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=steps_left(sampler, run, args),
+        # This rank's shard, less the steps a resume has done, cut to whole optimizer steps: equal on every rank.
+        per_step = args.batch_size * args.accum_steps
+        shard = list(sampler)[run.step * per_step: run.steps_per_epoch * per_step]
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
                             num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
                             generator=torch.Generator().manual_seed(worker_seed))
-        train_stats, stopped = train_one_epoch(run, loader, args, device, meter, stop)
+        train_stats, stopped = train_one_epoch(run, loader, args, device, stop)
         if stopped:
             save_checkpoint(run, args)
             log(f"stopped by SIGTERM at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}; "
                 f"continue with --resume {last_checkpoint(args)}")
             return
         run.epoch, run.step = epoch + 1, 0
-        with meter.paused():
-            checksums = replica_checksums(run.model)
-            recalibrate_batch_norm(run.model.module, train_set, sampler, args, device)
-            sync_buffers(run.model.module)
-            # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
-            save_checkpoint(run, args)
-            metrics = validate(run.model.module, val_set, args, device)
-        rate = meter.images_per_sec()
-        record = {"epoch": epoch + 1, **train_stats, **metrics, "images_per_sec": rate,
+        checksums = replica_checksums(run.model)
+        recalibrate_batch_norm(run.model.module, train_set, sampler, args, device)
+        sync_buffers(run.model.module)
+        # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
+        save_checkpoint(run, args)
+        metrics = validate(run.model.module, val_set, args, device)
+        record = {"epoch": epoch + 1, **train_stats, **metrics,
                   "epoch_seconds": time.perf_counter() - epoch_start, "replica_checksums": checksums}
         append_metrics(args, record)
         log(f"epoch {epoch + 1}/{args.epochs} train_loss {record['train_loss']:.4f} "
             f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
             f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
-            f"{'-' if rate is None else f'{rate:.1f}'} img/s data {record['data_wait']:.0%} "
-            f"{record['epoch_seconds']:.1f} s")
+            f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} {record['epoch_seconds']:.1f} s")
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
             log(f"stopped by SIGTERM after epoch {epoch + 1}; continue with --resume {last_checkpoint(args)}")
             return
 
 
-def steps_left(sampler, run, args):
-    """This rank's shard for the epoch, as dataset indices: the steps a resume has already done are
-    skipped, and the end is cut to whole optimizer steps, so every rank runs the same number."""
-    per_step = args.batch_size * args.accum_steps
-    return list(sampler)[run.step * per_step: run.steps_per_epoch * per_step]
-
-
-def train_one_epoch(run, loader, args, device, meter, stop):
+def train_one_epoch(run, loader, args, device, stop):
     """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM.
 
-    Returns the loss and the share of time spent waiting for data (each over this call's steps, averaged over
-    ranks), and whether to stop.
+    Returns the loss, the images/s of all ranks together and the share of time spent waiting for data, each over
+    this call's steps and averaged over ranks, and whether to stop.
     """
     run.model.train()
     autocast = amp_context(args, device)
+    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
     batches, loss_sum, first_step = iter(loader), torch.zeros((), device=device), run.step
-    began = line_began = time.perf_counter()
-    waited = line_waited = 0.0  # on the host, without a device sync: a GPU busy with queued steps is not idle
+    began = line_began = synced_clock(device)
+    line_step, waited, line_waited = run.step, 0.0, 0.0  # waited on the host: a GPU busy with queued steps is not idle
     while run.step < run.steps_per_epoch:
         fetch_began = time.perf_counter()
         try:
@@ -620,20 +564,27 @@ def train_one_epoch(run, loader, args, device, meter, stop):
         run.optimizer.zero_grad(set_to_none=True)
         run.scheduler.step()
         run.step += 1
-        meter.step()
         loss_sum += step_loss
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
-            now = time.perf_counter()
+            now = synced_clock(device)
             mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": line_waited / (now - line_began)})
-            line_began, line_waited = now, 0.0
-            global_step = run.epoch * run.steps_per_epoch + run.step
-            rate = meter.images_per_sec()
-            log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
-                f"({global_step}/{meter.total_steps}) loss {mean['loss']:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} "
-                f"{'-' if rate is None else f'{rate:.1f}'} img/s data {mean['data']:.0%} "
-                f"eta {meter.eta(global_step, rate)}")
-    stats = {"train_loss": loss_sum / (run.step - first_step), "data_wait": waited / (time.perf_counter() - began)}
+            rate = (run.step - line_step) * images_per_step / (now - line_began)
+            steps_left = (args.epochs - run.epoch) * run.steps_per_epoch - run.step
+            log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} loss {mean['loss']:.4f} "
+                f"lr {run.scheduler.get_last_lr()[0]:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
+                f"eta {datetime.timedelta(seconds=round(steps_left * images_per_step / rate))}")
+            line_began, line_step, line_waited = now, run.step, 0.0
+    seconds = synced_clock(device) - began
+    steps = run.step - first_step
+    stats = {"train_loss": loss_sum / steps, "images_per_sec": steps * images_per_step / seconds,
+             "data_wait": waited / seconds}
     return gather_utils.all_reduce_mean(stats), False
+
+
+def synced_clock(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # kernels run asynchronously: time what they did, not what was queued
+    return time.perf_counter()
 
 
 def to_model_input(images, args, device):
@@ -646,12 +597,8 @@ def to_model_input(images, args, device):
 
 @torch.no_grad()
 def validate(model, val_set, args, device):
-    """Loss, top-1 and top-5 over every val image exactly once, equal on every rank.
-
-    DistributedSampler pads the shards with repeated images so that every rank runs the same
-    number of batches; gather_for_metrics puts the per-image rows back in dataset order and
-    drops those repeats, so the averages are what a single process would compute.
-    """
+    """Loss, top-1 and top-5 over every val image exactly once, equal on every rank: DistributedSampler pads the
+    shards with repeats, and gather_for_metrics drops them, so the averages are a single process's."""
     model.eval()
     autocast = amp_context(args, device)
     indices = list(DistributedSampler(val_set, shuffle=False))
@@ -676,12 +623,9 @@ def validate(model, val_set, args, device):
 
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, device):
-    """Batch-norm statistics of the weights as they are, from this rank's first BN_BATCHES training batches.
-
-    The running averages that training keeps trail the weights by about ten steps (momentum 0.1). When the
-    weights change fast, as in the first epochs of a short run, validating with them gives a loss in the
-    thousands at chance accuracy, though the model in training mode does well.
-    """
+    """Batch-norm statistics of the weights as they are, from this rank's first BN_BATCHES training batches. The
+    running averages trail the weights by about ten steps: while the weights change fast, as early in a short run,
+    validating with them gives a loss in the thousands at chance accuracy."""
     norms = [m for m in model.modules() if getattr(m, "track_running_stats", False)]
     momenta = [norm.momentum for norm in norms]
     for norm in norms:
@@ -696,12 +640,6 @@ def recalibrate_batch_norm(model, train_set, sampler, args, device):
         norm.momentum = momentum
 
 
-def evaluate(model, val_set, args, device, checkpoint):
-    metrics = validate(model, val_set, args, device)
-    append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
-    log(json.dumps(metrics))
-
-
 def amp_context(args, device):
     dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
@@ -711,17 +649,13 @@ def memory_format(args):
     return torch.channels_last if args.channels_last else torch.contiguous_format
 
 
-def is_main():
-    return dist.get_rank() == 0
-
-
 def log(message):
-    if is_main():
+    if dist.get_rank() == 0:
         print(message, flush=True)
 
 
 def append_metrics(args, record):
-    if is_main() and args.metrics_file:
+    if dist.get_rank() == 0 and args.metrics_file:
         with open(args.metrics_file, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -729,8 +663,10 @@ def append_metrics(args, record):
 # ---------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
     """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact."""
-    rng = gather_utils.all_gather_object(rng_state())  # each rank continues its own random stream
-    if is_main():
+    # Each rank's random stream, which a resume continues.
+    rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(),
+                                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
+    if dist.get_rank() == 0:
         state = {"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict(),
                  "scaler": run.scaler.state_dict(), "epoch": run.epoch, "step": run.step,
                  "world_size": dist.get_world_size(), "args": vars(args), "rng": rng,
@@ -748,11 +684,6 @@ def save_checkpoint(run, args):
 
 def last_checkpoint(args):
     return Path(args.checkpoint_dir) / "last.pt"
-
-
-def rng_state():
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def restore_training_state(checkpoint, optimizer, scaler, args):
@@ -785,11 +716,6 @@ def changed_settings(checkpoint, args):
 # What guards the story: bad input, failures, signals, and what the log reports.
 
 
-def env_rank():
-    """This process's global rank, known before the process group exists."""
-    return world_from_env()[0]
-
-
 def env_local_rank():
     """This process's rank on its machine, known before the process group exists."""
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
@@ -805,7 +731,7 @@ def fail(message):
 
 def rank_error(message, code=1):
     """An error of this rank's own, which the others may not see: each rank says it, one line each."""
-    say(f"error: rank {env_rank()}: {message}")
+    say(f"error: rank {world_from_env()[0]}: {message}")
     sys.exit(code)
 
 
@@ -829,8 +755,8 @@ def check_args(args):
     check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
-    # torchrun (and launch.sh's dry run) say how many processes share this machine; a count
-    # from torch includes CUDA_VISIBLE_DEVICES and MIG, which nvidia-smi -L does not.
+    # torchrun and launch.sh's dry run say how many processes share this machine; torch's count heeds MIG and
+    # CUDA_VISIBLE_DEVICES.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
         fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} GPUs are "
@@ -839,12 +765,6 @@ def check_args(args):
         fail("--evaluate needs --resume PATH or --weights: the model to validate")
     if args.resume and args.weights:
         fail("--resume and --weights: a resume continues from its checkpoint's weights; expected one of them")
-    if args.amp == "fp16" and not torch.cuda.is_available() and not hasattr(torch.amp, "GradScaler"):
-        fail(f"--amp fp16 on CPU needs torch 2.3 or later (a CPU GradScaler), this is {torch.__version__}; "
-             "use --amp bf16")
-    if args.comm_hook == "bf16" and args.backend == "gloo" and torch.__version__ < "2.2.0a0":
-        fail(f"--comm-hook bf16 on gloo needs torch 2.2 or later (a bfloat16 all-reduce), this is {torch.__version__}; "
-             "use --comm-hook fp16")
     if args.comm_hook == "powersgd" and args.amp == "fp16":
         fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would leave inf in "
              "PowerSGD's error feedback and skip every later step; use --amp bf16")
@@ -889,9 +809,8 @@ def read_weights_file(path):
 
 
 def check_arch_trains(arch, image_size, training):
-    """One forward on the meta device (shapes only: no memory, no compute), in training mode unless
-    only evaluating, so that a model that cannot run at this size, or returns more than logits,
-    fails now, not after setup."""
+    """One forward on the meta device (shapes only), in training mode unless only evaluating, so that a model that
+    cannot run at this size, or returns more than logits, fails now, not after setup."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
         try:
@@ -937,23 +856,14 @@ def check_image_folder(root):
     if not root.is_dir():
         fail(f"--data {root}: no such directory; expected an ImageFolder root with train/ and val/")
     for split in ["train", "val"]:
-        if not has_images(root / split):
+        files = (name.lower() for _, _, names in os.walk(root / split) for name in names)
+        if not any(name.endswith(torchvision.datasets.folder.IMG_EXTENSIONS) for name in files):
             fail(f"--data {root}: {root / split} holds no images; expected {root / split}/<class>/<image>.jpg")
     # ImageFolder numbers the classes of each split by its own folder names.
     train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()} for split in ["train", "val"])
     if train != val:
         fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels differ "
              f"(only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
-    if not IMAGE_FOLDER_ALLOWS_EMPTY:
-        for folder in sorted(root / split / name for split in ["train", "val"] for name in train):
-            if not has_images(folder):
-                fail(f"--data {root}: {folder} holds no images, which torchvision {torchvision.__version__} "
-                     "refuses (0.17 and later allow it); expected images in every class folder")
-
-
-def has_images(folder):
-    return any(f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS)
-               for _, _, files in os.walk(folder) for f in files)
 
 
 def init_failure(error, args, world_size, address):
@@ -972,17 +882,13 @@ def init_failure(error, args, world_size, address):
 
 
 def peer_lost(error):
-    """Whether a collective failed: gloo's connections closed or timed out, or NCCL's error (torch 2.1 and later)."""
-    return "gloo/transport" in str(error) or isinstance(error, getattr(dist, "DistBackendError", ()))
+    """Whether a collective failed: gloo's connections closed or timed out, or NCCL's error."""
+    return "gloo/transport" in str(error) or isinstance(error, dist.DistBackendError)
 
 
 def check_same_start(checkpoint):
-    """Every rank must resume from the same checkpoint, or all start afresh.
-
-    Each node reads its own --resume file (or its own last.pt after a restart), and with
-    node-local disks those can differ: ranks that disagree on the epoch and step would run
-    different numbers of collectives and hang at the end, so stop them all now.
-    """
+    """Every rank must resume from the same checkpoint, or all start afresh: nodes with disks of their own may not,
+    and ranks that disagree on the step would run different numbers of collectives and hang."""
     start = None
     if checkpoint is not None:
         weights = hashlib.blake2b(digest_size=6)
@@ -1001,12 +907,9 @@ def check_same_start(checkpoint):
 
 
 class SigtermStop:
-    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; after
-    every optimizer step, and after each validation but the last, the ranks gather the notes, so
-    one rank's SIGTERM stops all of them at the same point. The note rides in all_gather_object's
-    header, one small collective on the CPU (over gloo, even on NCCL): agreeing never waits for
-    the GPU.
-    """
+    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before every optimizer
+    step, and after each validation but the last, the ranks gather the notes, so that one rank's SIGTERM stops all
+    at the same point. One small collective on the CPU (gloo, even on NCCL): agreeing never waits for the GPU."""
 
     def __init__(self):
         self.requested = threading.Event()
@@ -1014,8 +917,7 @@ class SigtermStop:
 
     def note(self, signum, frame):
         self.requested.set()
-        # One is enough. Ignored, the next ones (SLURM and launch.sh may send several) cannot
-        # kill the process as it exits, when Python has put back the default action.
+        # Ignored from now: a second one (SLURM and launch.sh may send several) cannot kill the process as it exits.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def agreed(self, problem=None):
@@ -1032,53 +934,15 @@ def stop_on_problems(problems):
     failed = [rank for rank, problem in enumerate(problems) if problem]
     if problems[dist.get_rank()]:
         rank_error(problems[dist.get_rank()])
-    if failed and dist.get_rank() == 0:
-        say(f"error: rank 0: stopping: rank {', '.join(map(str, failed))} failed (see above)")
     if failed:
+        if dist.get_rank() == 0:
+            say(f"error: rank 0: stopping: rank {', '.join(map(str, failed))} failed (see above)")
         sys.exit(1)
 
 
 def unreadable(error):
     """The line for an UnreadableImage, also one that a DataLoader worker raised (its text ends with ours)."""
     return f"cannot read {str(error).rsplit('UnreadableImage: ', 1)[-1].strip()}; remove or replace that file"
-
-
-class Throughput:
-    """Images/s of the training steps, all ranks together, and the ETA: timed after the warm-up
-    steps, with validation and checkpoints left out."""
-
-    def __init__(self, images_per_step, total_steps, device):
-        self.images_per_step, self.total_steps, self.device = images_per_step, total_steps, device
-        self.steps = 0
-        self.start = self.timed_from = None
-
-    def step(self):
-        self.steps += 1
-        if self.steps == min(TIMING_WARMUP_STEPS, self.total_steps - 1):
-            self.start = self.now()
-            self.timed_from = self.steps
-
-    def now(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # kernels run asynchronously; time what they did, not what was queued
-        return time.perf_counter()
-
-    def images_per_sec(self):
-        if self.start is None or self.steps == self.timed_from:
-            return None
-        return (self.steps - self.timed_from) * self.images_per_step / (self.now() - self.start)
-
-    @contextmanager
-    def paused(self):
-        begin = self.now()
-        yield
-        if self.start is not None:
-            self.start += self.now() - begin
-
-    def eta(self, done, rate):
-        if rate is None:
-            return "?"
-        return str(datetime.timedelta(seconds=round((self.total_steps - done) * self.images_per_step / rate)))
 
 
 def replica_checksums(model):
@@ -1091,21 +955,15 @@ def replica_checksums(model):
 
 
 def sync_buffers(model):
-    """Give every rank rank 0's batch-norm statistics, the ones the checkpoint stores.
-
-    DDP broadcasts buffers at the start of each forward, so after the last training step every
-    rank still holds the statistics of its own last batch.
-    """
+    """Give every rank rank 0's batch-norm statistics, the ones the checkpoint stores (each rank recalibrated
+    its own)."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
 
 
 class CPUSyncBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs).
-
-    The sums travel through a differentiable all-reduce, so the backward pass is synchronized too.
-    Made for the BatchNorm2d layers of torchvision models: affine, with a running-average momentum.
-    """
+    """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs), for torchvision's
+    affine BatchNorm2d layers. The sums travel through a differentiable all-reduce: the backward is synchronized too."""
 
     def forward(self, x):
         if not self.training:
