@@ -5,8 +5,7 @@
     python train_ddp.py                                     # a single process, no launcher
 
 Without --data it trains on synthetic images made in memory, so it runs anywhere. main() is the table of contents;
-the functions follow in the order it calls them, and the checks that guard the story come after them.
-docs/training.md explains the flags.
+the functions follow in its order, then the checks that guard the story. docs/training.md explains the flags.
 """
 import signal
 
@@ -241,8 +240,7 @@ def init_distributed(args, device):
 
 
 def world_from_env():
-    """Global rank and world size: torchrun's variables, else those of an srun task (a batch script sees
-    SLURM_NTASKS too, but runs once; only srun's tasks have SLURM_STEP_ID), else one process."""
+    """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID), else one process."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if "SLURM_STEP_ID" in os.environ:
@@ -476,8 +474,7 @@ def build_scheduler(optimizer, args, steps_per_epoch, warmup_steps, steps_done):
 # ---------------------------------------------------------------- 6. train and validate
 @dataclass
 class Training:
-    """What the training loop carries from step to step. A checkpoint saves all but the scheduler and
-    steps_per_epoch, which a resume derives from this run's arguments."""
+    """What the training loop carries from step to step; a checkpoint saves all but scheduler and steps_per_epoch."""
     model: DDP
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -529,8 +526,9 @@ def fit(run, train_set, val_set, args, device, stop):
 def train_one_epoch(run, loader, args, device, stop):
     """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM.
 
-    Returns the loss, the images/s of all ranks together and the share of time spent waiting for data, each over
-    this call's steps and averaged over ranks, and whether to stop.
+    Returns the loss and the share of time spent waiting for data over this call's steps, the images/s of all ranks
+    together from its first log line on (the steps before include the warm-up and any compilation), each averaged
+    over ranks, and whether to stop.
     """
     run.model.train()
     autocast = amp_context(args, device)
@@ -538,6 +536,7 @@ def train_one_epoch(run, loader, args, device, stop):
     batches, loss_sum, first_step = iter(loader), torch.zeros((), device=device), run.step
     began = line_began = synced_clock(device)
     line_step, waited, line_waited = run.step, 0.0, 0.0  # waited on the host: a GPU busy with queued steps is not idle
+    timed = None  # (step, time) of the first log line
     while run.step < run.steps_per_epoch:
         fetch_began = time.perf_counter()
         try:
@@ -573,11 +572,12 @@ def train_one_epoch(run, loader, args, device, stop):
             log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} loss {mean['loss']:.4f} "
                 f"lr {run.scheduler.get_last_lr()[0]:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
                 f"eta {datetime.timedelta(seconds=round(steps_left * images_per_step / rate))}")
-            line_began, line_step, line_waited = now, run.step, 0.0
-    seconds = synced_clock(device) - began
-    steps = run.step - first_step
-    stats = {"train_loss": loss_sum / steps, "images_per_sec": steps * images_per_step / seconds,
-             "data_wait": waited / seconds}
+            line_began, line_step, line_waited, timed = now, run.step, 0.0, timed or (run.step, now)
+    end = synced_clock(device)
+    if timed is None or timed[0] == run.step:  # a single log line: time every step
+        timed = first_step, began
+    stats = {"train_loss": loss_sum / (run.step - first_step), "data_wait": waited / (end - began),
+             "images_per_sec": (run.step - timed[0]) * images_per_step / (end - timed[1])}
     return gather_utils.all_reduce_mean(stats), False
 
 
@@ -921,8 +921,7 @@ class SigtermStop:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def agreed(self, problem=None):
-        """Whether to stop now, for a SIGTERM on any rank. Every rank's `problem` rides along: if any rank has one,
-        every rank exits (stop_on_problems)."""
+        """Whether to stop now, for a SIGTERM on any rank; if any rank has a `problem`, every rank exits."""
         notes = gather_utils.all_gather_object((self.requested.is_set(), problem))
         stop_on_problems([problem for _, problem in notes])
         return any(requested for requested, _ in notes)
