@@ -15,8 +15,8 @@ set -euo pipefail
 
 # SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
 # exit 0, and torchrun with them. torchrun ignores it (SLURM signals every process of the job
-# step), since it would stop the workers too, but exit 1 with a traceback (a torchrun without
-# --signals-to-handle, torch 2.1 for one, still takes it).
+# step), since it would stop the workers too, but exit 1 with a traceback (the torchrun of older
+# releases, torch 2.3 for one, has no --signals-to-handle and still takes it).
 # Trapped from the start, it is repeated each second until torchrun ends: workers it has yet to
 # start get it too (they ignore all but the first).
 stopping=0 torchrun_pid=

@@ -221,10 +221,9 @@ def init_distributed(args, device):
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (docs/launching.md)")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    # Forming the group (the rendezvous, gloo's connections) waits --init-timeout, and the collectives after it
-    # --collective-timeout; torch before 2.4 cannot change a group's timeout, so there both wait the latter.
-    set_timeout = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    timeout = datetime.timedelta(seconds=args.init_timeout if set_timeout else args.collective_timeout)
+    # Forming the group (the rendezvous, gloo's connections) waits --init-timeout, the collectives after it
+    # --collective-timeout (dist.set_timeout of newer torch is private in torch 2.3).
+    timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         # torchrun keeps one store across restarts (MAX_RESTARTS), with the last attempt's keys in it: without a
@@ -235,8 +234,8 @@ def init_distributed(args, device):
         gather_utils.all_gather_object(None)  # on GPUs, the gloo backend's first collective: its problems show now
     except (RuntimeError, ValueError) as e:
         rank_error(init_failure(e, args, world_size, address))
-    if set_timeout:
-        set_timeout(datetime.timedelta(seconds=args.collective_timeout))
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(datetime.timedelta(seconds=args.collective_timeout))
 
 
 def world_from_env():
