@@ -184,7 +184,8 @@ def run(args, batch, flags, compiled, rate):
         with hosts.Hosts(args.nproc, rate=rate) as on:
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nproc), "--master-addr",
                         on.address(0), "--master-port", "29500", "--nproc-per-node", "1"]
-            procs = [on.start(i, [*launcher, "--node-rank", str(i), __file__, *command], dict(env, GLOO_SOCKET_IFNAME="eth0"),
+            host_env = dict(env, GLOO_SOCKET_IFNAME="eth0")
+            procs = [on.start(i, [*launcher, "--node-rank", str(i), __file__, *command], host_env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(args.nproc)]
             outputs = [subprocess.CompletedProcess(p.args, 0, *p.communicate(timeout=1800)) for p in procs]
             for output, proc in zip(outputs, procs):
@@ -211,7 +212,8 @@ def main():
         f"{args.accum_steps} micro-batch(es) per step, "
         f"median of {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}"
     )
-    print("| link | batch per process | configuration | images/s per process (runs) | vs single | vs independent | loss |")
+    print("| link | batch per process | configuration | images/s per process (runs) | vs single | vs independent "
+          "| loss |")
     print("|---|---|---|---|---|---|---|")
     variants = [(name, compiled) for name in args.configs for compiled in [False, True][: 1 + args.compile]]
     for rate in args.hosts or [None]:

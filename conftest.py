@@ -1,6 +1,6 @@
-"""Helpers shared by test_train.py, test_failures.py and test_slurm.py: the scripts under test,
-the tiny training run, and starting, waiting for and killing their processes. test_gather.py
-stays self-contained: users copy it with gather_utils.py alone.
+"""Helpers shared by test_train.py, test_failures.py, test_hosts.py and test_slurm.py: the scripts under test,
+the tiny training run, ImageFolders of generated images, and starting, waiting for and killing their processes.
+test_gather.py stays self-contained: users copy it with gather_utils.py alone.
 """
 import json
 import os
@@ -42,8 +42,8 @@ def free_port():
 # What torchrun, SLURM and launch.sh read or set: run inside such a job, the tests must not inherit
 # them (a TORCHELASTIC_RESTART_COUNT above 0, for one, makes train_ddp.py resume from a stale last.pt).
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_", "MASTER_", "TORCHELASTIC_", "TORCH_ELASTIC_", "PET_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_",
-                      "NNODES", "NODE_RANK", "MAX_RESTARTS", "RUN_ID", "INIT_TIMEOUT")
+                      "ROLE_", "MASTER_", "TORCHELASTIC_", "TORCH_ELASTIC_", "PET_", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                      "SLURM_", "NNODES", "NODE_RANK", "MAX_RESTARTS", "RUN_ID", "INIT_TIMEOUT")
 
 
 def clean_env(**extra):

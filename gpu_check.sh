@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proof in one try, on one CUDA machine, with the python3 it finds (torch 2.1 or later with torchvision;
+# The GPU proof in one try, on one CUDA machine, with the python3 it finds (torch 2.3 or later with torchvision;
 # nothing installed), inside a deadline. Most valuable first: the gather tests over NCCL and over gloo with CUDA
 # tensors; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against one process);
 # train_ddp.py on NCCL: fp32, resume, --evaluate, SIGTERM mid-epoch and its resume; bf16 + channels-last, fp16,
@@ -287,7 +287,8 @@ speed() {  # name, bench_train.py flags: the step, with its images/s as the note
     step "$1" 150 $py "${bench[@]}" --configs single "ddp default" "${@:2}"
     [[ ${results[-1]} == pass ]] || return 0
     notes[-1]=$(grep '^| [0-9]' "$logs/$1.log" |
-        awk -F'|' '{c = $3; v = $4; gsub(/^ +| +$/, "", c); gsub(/ *\(.*| /, "", v); printf "%s%s %s img/s", s, c, v; s = ", "}')
+        awk -F'|' '{c = $3; v = $4; gsub(/^ +| +$/, "", c); gsub(/ *\(.*| /, "", v)
+                    printf "%s%s %s img/s", s, c, v; s = ", "}')
     write_summary
 }
 speed speed_fp32 --amp off

@@ -49,11 +49,19 @@ if [[ -n ${NNODES:-} ]]; then
     # gloo finds its address from the hostname, which often resolves to 127.0.1.1: unless set, both backends
     # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it).
     if [[ -z ${GLOO_SOCKET_IFNAME:-} ]] && command -v ip >/dev/null; then
-        addr=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}')
+        addr=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}') || true
+        if [[ -z $addr ]]; then
+            echo "launch.sh: error: MASTER_ADDR '$MASTER_ADDR' does not resolve here; expected node 0's address" >&2
+            exit 2
+        fi
         dev=$(ip -o addr show to "$addr" | awk '{print $2; exit}')
-        dev=${dev:-$(ip route get "$addr" | grep -o 'dev [^ ]*' | cut -d' ' -f2)}
-        export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
-        echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME (reaches MASTER_ADDR $addr)" >&2
+        [[ -n $dev ]] || dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
+        if [[ -n $dev && $dev != lo ]]; then
+            export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
+            echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME (reaches MASTER_ADDR $addr)" >&2
+        else  # MASTER_ADDR is node 0's own name, which its /etc/hosts maps to a loopback address
+            echo "launch.sh: MASTER_ADDR is $addr here, a loopback address: set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME" >&2
+        fi
     fi
     rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
                 --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}"

@@ -96,8 +96,8 @@ def resume_and_compare(tmp_path, uninterrupted):
     """Resume from last.pt: the run says where it resumes and trains only what was left (a run that started
     afresh would end with the same weights: CPU training is deterministic), to the uninterrupted run's weights."""
     saved = load(tmp_path / "last.pt")
-    result = ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path), "--resume", str(tmp_path / "last.pt"),
-                     "--metrics-file", str(tmp_path / "resumed.jsonl")]))
+    result = ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path),
+                     "--resume", str(tmp_path / "last.pt"), "--metrics-file", str(tmp_path / "resumed.jsonl")]))
     assert f"resumed from {tmp_path / 'last.pt'} at epoch {saved['epoch'] + 1} step {saved['step']}" in result.stdout
     steps = re.findall(r"epoch (\d)/2 step (\d+)/16", result.stdout)
     assert steps[0] == (str(saved["epoch"] + 1), str(saved["step"] + 4 - saved["step"] % 4)), steps  # logged every 4
@@ -350,6 +350,14 @@ def test_bad_input_fails_fast_with_one_line(case, bad_inputs):
     assert result.stdout == ""
 
 
+def test_master_addr_that_does_not_resolve_fails_fast_with_one_line():
+    env = clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="node0.invalid")
+    result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=30, env=env)
+    assert result.returncode == 2 and result.seconds < 15 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "launch.sh: error: MASTER_ADDR 'node0.invalid' does not resolve here; expected node 0's address"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 def test_more_processes_than_gpus_fails_fast():
     n = torch.cuda.device_count() + 1
@@ -387,7 +395,8 @@ def test_unreadable_image_mid_epoch_stops_every_rank_with_one_line(tmp_path):
     before = (tmp_path / "ck" / "last.pt").read_bytes()
     damaged = data / "train" / "b" / "7.jpg"
     damaged.write_bytes(damaged.read_bytes()[:300])
-    result = run(["bash", LAUNCH, "2", *args, "--epochs", "2", "--resume", str(tmp_path / "ck" / "last.pt")], timeout=90)
+    resume = ["--resume", str(tmp_path / "ck" / "last.pt")]
+    result = run(["bash", LAUNCH, "2", *args, "--epochs", "2", *resume], timeout=90)
     assert result.returncode != 0 and result.seconds < 60
     ours = [line for line in result.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
     assert len(ours) == 2 and f'File "{TRAIN}"' not in result.stderr, result.stderr  # no traceback from any rank
@@ -401,7 +410,7 @@ def test_unreadable_image_mid_epoch_stops_every_rank_with_one_line(tmp_path):
 # ---------------------------------------------------------------- 7. a rank late at evaluation
 def test_rank_late_at_evaluation_does_not_time_out(tmp_path):
     # Rank 1 is frozen for longer than --init-timeout just as rank 0 starts validating: the
-    # collectives must wait for it (their timeout is torch's 30 min default), not fail.
+    # collectives must wait for it (up to --collective-timeout, 600 s by default), not fail.
     job = start_logged(["bash", LAUNCH, "2", *FAST, "--epochs", "1", "--init-timeout", "3", "--checkpoint-dir",
                         str(tmp_path), "--metrics-file", str(tmp_path / "m.jsonl")], tmp_path)
     wait_for(lambda: "step 16/16" in stdout(job), job, "the end of the training epoch", interval=0.01)

@@ -78,7 +78,8 @@ class Job:
         """Exit codes, once every process on every host has ended (not only the launchers)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self.procs) and not any(self.on.pids(i) for i in range(len(self.procs))):
+            ended = all(p.poll() is not None for p in self.procs)
+            if ended and not any(self.on.pids(i) for i in range(len(self.procs))):
                 return [p.returncode for p in self.procs]
             time.sleep(0.2)
         pytest.fail(f"processes left {timeout} s later\n{self.report()}")

@@ -122,6 +122,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     check_arch(args.arch)
+    args.image_size_given = args.image_size is not None
     weights = named_weights(args)
     if weights and args.image_size is None:  # train and validate at the sizes the weights were published with
         recipe = weights.transforms()
@@ -155,6 +156,9 @@ def load_checkpoint(args):
         fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys {', '.join(sorted(CHECKPOINT_KEYS))})")
     if checkpoint["args"]["arch"] != args.arch:
         fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
+    if not args.image_size_given:  # continue at the sizes the run started with (a fine-tune's came from its weights)
+        sizes = ["image_size", "resize", "interpolation"]
+        args.image_size, args.resize, args.interpolation = (checkpoint["args"].get(k, getattr(args, k)) for k in sizes)
     return path, checkpoint
 
 
@@ -212,7 +216,7 @@ def process_group(args, device):
 def init_distributed(args, device):
     rank, world_size = world_from_env()
     # On GPUs one group holds two backends: NCCL for the CUDA tensors, and gloo for gather_utils' small CPU
-    # collectives (the SIGTERM agreement, the metrics), which so never wait for the GPU.
+    # collectives (the SIGTERM agreement, objects), which so never queue behind the gradients.
     backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
     bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator on this GPU, at once
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: a store in memory, no address, no port
@@ -326,8 +330,8 @@ class UnreadableImage(Exception):
 
 
 def read_image(path):
-    """A file as 3-channel RGB uint8 (grayscale, CMYK and alpha alike): torchvision.io's decoders for the formats
-    they read (JPEG, PNG, WebP, GIF), a third of PIL's time for JPEG; PIL for the others (BMP, TIFF, ...)."""
+    """A file as 3-channel RGB uint8 (grayscale, CMYK and alpha alike): torchvision.io's decoders for the formats they
+    read (JPEG, PNG; GIF, WebP in newer ones), a third of PIL's time for JPEG; PIL for the others (BMP, TIFF, ...)."""
     try:
         image = decode_image(read_file(path), mode=ImageReadMode.RGB)
     except RuntimeError:  # not a format torchvision.io reads, or a damaged file: PIL tells which
@@ -441,10 +445,10 @@ def register_comm_hook(ddp, name, warmup_steps):
 
 
 def powersgd_hook(state, bucket):
-    """PowerSGD chains two all-reduces per bucket through callbacks. Gloo (CPU tensors) matches collectives by issue
-    order, which the callbacks of concurrent buckets make differ between ranks: there each bucket finishes first."""
+    """PowerSGD chains two all-reduces per bucket through callbacks. Gloo matches collectives by issue order, which
+    the callbacks of concurrent buckets make differ between ranks: there each bucket finishes first."""
     future = powerSGD_hook.powerSGD_hook(state, bucket)
-    if bucket.buffer().is_cpu:
+    if dist.get_backend() == "gloo":  # not "cpu:gloo,cuda:nccl", whose gradients go over NCCL
         future.wait()
     return future
 
@@ -513,10 +517,9 @@ def fit(run, train_set, val_set, args, device, stop):
         record = {"epoch": epoch + 1, **train_stats, **metrics,
                   "epoch_seconds": time.perf_counter() - epoch_start, "replica_checksums": checksums}
         append_metrics(args, record)
-        log(f"epoch {epoch + 1}/{args.epochs} train_loss {record['train_loss']:.4f} "
-            f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
-            f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
-            f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} {record['epoch_seconds']:.1f} s")
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss {record['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
+            f"val_acc1 {metrics['val_acc1']:.2f}% val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images)"
+            f" {record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} {record['epoch_seconds']:.1f} s")
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
             log(f"stopped by SIGTERM after epoch {epoch + 1}; continue with --resume {last_checkpoint(args)}")
             return
@@ -625,9 +628,8 @@ def recalibrate_batch_norm(model, train_set, sampler, args, device):
     """Batch-norm statistics of the weights as they are, from this rank's first BN_BATCHES training batches. The
     running averages trail the weights by about ten steps: while the weights change fast, as early in a short run,
     validating with them gives a loss in the thousands at chance accuracy."""
-    norms = [m for m in model.modules() if getattr(m, "track_running_stats", False)]
-    momenta = [norm.momentum for norm in norms]
-    for norm in norms:
+    momenta = {norm: norm.momentum for norm in model.modules() if getattr(norm, "track_running_stats", False)}
+    for norm in momenta:
         norm.reset_running_stats()
         norm.momentum = None  # a plain average over the batches below
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=list(sampler)[: BN_BATCHES * args.batch_size],
@@ -635,7 +637,7 @@ def recalibrate_batch_norm(model, train_set, sampler, args, device):
     model.train()
     for images, _ in loader:
         model(to_model_input(images, args, device))
-    for norm, momentum in zip(norms, momenta):
+    for norm, momentum in momenta.items():
         norm.momentum = momentum
 
 
@@ -843,10 +845,11 @@ def check_shared_memory(args):
     shm = os.statvfs("/dev/shm")
     free_mb = shm.f_bavail * shm.f_frsize / 2**20
     batch_mb = args.batch_size * 3 * args.image_size**2 / 2**20  # uint8 images
-    # Each worker prefetches 2 batches (DataLoader's default), and the process holds one more.
-    need_mb = local_world_size * (2 * args.workers + 1) * batch_mb
+    # Each worker prefetches 2 batches (DataLoader's default), and the process holds a step's micro-batches.
+    batches = 2 * args.workers + args.accum_steps
+    need_mb = local_world_size * batches * batch_mb
     if need_mb > free_mb:
-        fail(f"--workers {args.workers}: {local_world_size} process(es) x {2 * args.workers + 1} batches of "
+        fail(f"--workers {args.workers}: {local_world_size} process(es) x {batches} batches of "
              f"{batch_mb:.0f} MB need {need_mb:.0f} MB of /dev/shm, which has {free_mb:.0f} MB free; expected "
              "fewer --workers, a smaller --batch-size, or a larger /dev/shm (docker run --shm-size=8g)")
 
@@ -953,8 +956,7 @@ def replica_checksums(model):
 
 
 def sync_buffers(model):
-    """Give every rank rank 0's batch-norm statistics, the ones the checkpoint stores (each rank recalibrated
-    its own)."""
+    """Give every rank rank 0's batch-norm statistics (each recalibrated its own), which the checkpoint stores."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
 
