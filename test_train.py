@@ -495,8 +495,9 @@ def test_weights_download_once_per_machine_and_say_how_to_work_offline(tmp_path)
 
 def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch(tmp_path):
     # Stripes of four directions and widths; a model trained on them, then fine-tuned from its last.pt on two of
-    # those classes (a new classifier) against the same run from scratch: after one short epoch, the one that
-    # already knows the stripes is far ahead.
+    # those classes (a new classifier) against the same run from scratch: after one short epoch (2 steps), the one
+    # that already knows the stripes is far ahead. Horizontal against vertical is easy enough that scratch may reach
+    # 90% too, so the margin is in the validation loss (measured: 0.018 against 0.29).
     def stripes(label, i):
         wave = (torch.arange(32) // (2 + label // 2 * 2) % 2 * 160).to(torch.uint8)
         pattern = (wave[:, None] if label % 2 else wave[None, :]).expand(32, 32)
@@ -508,15 +509,16 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
                        {"train": 16, "val": 16})
     common = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "8", "--lr", "0.02"]
     ok(run(torchrun(2, *common, "--data", four, "--epochs", "3", "--checkpoint-dir", tmp_path / "pre")))
-    accuracy, logs = {}, {}
+    results, logs = {}, {}
     for begin in ["weights", "scratch"]:
         weights = ["--weights", tmp_path / "pre" / "last.pt"] if begin == "weights" else []
         logs[begin] = ok(run(torchrun(2, *common, "--data", two, "--epochs", "1", "--warmup-epochs", "0", *weights,
                                       "--checkpoint-dir", tmp_path / begin,
                                       "--metrics-file", tmp_path / f"{begin}.jsonl"))).stdout
-        accuracy[begin] = metrics(tmp_path / f"{begin}.jsonl")[0]["val_acc1"]
+        results[begin] = metrics(tmp_path / f"{begin}.jsonl")[0]
     assert f"resnet18 from {tmp_path / 'pre' / 'last.pt'} (new fc) on 2 x cpu" in logs["weights"], logs["weights"]
-    assert accuracy["weights"] >= 90 and accuracy["scratch"] <= 75, accuracy
+    assert results["weights"]["val_acc1"] >= max(90, results["scratch"]["val_acc1"]), results
+    assert results["weights"]["val_loss"] < results["scratch"]["val_loss"] / 5, results
 
 
 def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):

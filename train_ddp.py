@@ -570,10 +570,10 @@ def train_one_epoch(run, loader, args, device, stop):
             now = synced_clock(device)
             mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": line_waited / (now - line_began)})
             rate = (run.step - line_step) * images_per_step / (now - line_began)
-            steps_left = (args.epochs - run.epoch) * run.steps_per_epoch - run.step
-            log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} loss {mean['loss']:.4f} "
-                f"lr {run.scheduler.get_last_lr()[0]:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
-                f"eta {datetime.timedelta(seconds=round(steps_left * images_per_step / rate))}")
+            total, done = args.epochs * run.steps_per_epoch, run.epoch * run.steps_per_epoch + run.step
+            log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} ({done}/{total}) loss "
+                f"{mean['loss']:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
+                f"eta {datetime.timedelta(seconds=round((total - done) * images_per_step / rate))}")
             line_began, line_step, line_waited, timed = now, run.step, 0.0, timed or (run.step, now)
     end = synced_clock(device)
     if timed is None or timed[0] == run.step:  # a single log line: time every step
