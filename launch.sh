@@ -58,9 +58,10 @@ if [[ -n ${NNODES:-} ]]; then
         [[ -n $dev ]] || dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
         if [[ -n $dev && $dev != lo ]]; then
             export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
-            echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME (reaches MASTER_ADDR $addr)" >&2
-        else  # MASTER_ADDR is node 0's own name, which its /etc/hosts maps to a loopback address
-            echo "launch.sh: MASTER_ADDR is $addr here, a loopback address: set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME" >&2
+            echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" \
+                "(reaches MASTER_ADDR $addr)" >&2
+        else  # no route, or MASTER_ADDR is node 0's own name, mapped to loopback by its /etc/hosts
+            echo "launch.sh: only loopback reaches MASTER_ADDR $addr: set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME" >&2
         fi
     fi
     rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
