@@ -226,7 +226,7 @@ def init_distributed(args, device):
         fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (docs/launching.md)")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     # Forming the group (the rendezvous, gloo's connections) waits --init-timeout, the collectives after it
-    # --collective-timeout (dist.set_timeout of newer torch is private in torch 2.3).
+    # --collective-timeout (dist.set_timeout; torch 2.3 has it only as distributed_c10d._set_pg_timeout).
     timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
