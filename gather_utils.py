@@ -4,7 +4,7 @@ Copy this file alone into your project: it imports only torch and the standard l
 - works unchanged when torch.distributed is not initialized, as a world of one;
 - works on gloo (CPU or CUDA tensors), on NCCL (CUDA tensors: give each rank its GPU first, as torch requires, with
   `torch.cuda.set_device` or `init_process_group(device_id=...)`; a rank with bad input sends its header from there
-  too) and on subgroups;
+  too), on both in one group ("cpu:gloo,cuda:nccl": tensors over NCCL, objects over gloo) and on subgroups;
 - starts with one all-gather of a small fixed-size header per rank (error flag, dtype, shape), which is also the size
   exchange: if any rank's input is bad, or the ranks disagree, every rank raises before any data moves, so the
   collectives stay aligned and the group keeps working. Data that fits in the header's room (8 KiB per rank: see
@@ -420,19 +420,26 @@ def _gather_bytes(payload, sizes, group, carried, to_result=lambda packed: packe
 def _collective_device(name, group, tensor=None):
     """The device this rank's collectives on `group` use; ValueError when this rank is not in `group`.
 
-    The CPU whenever the group has a CPU backend, whatever the input, so that every rank picks the same; on an
-    NCCL-only group, the tensor's GPU if it is on one, else the GPU the group is bound to, else the current GPU.
+    Decided by the group alone, whatever the input, so that every rank picks the same backend: the GPU when the group
+    has a GPU backend (NCCL, alone or beside gloo as in "cpu:gloo,cuda:nccl"), else the CPU. On the GPU, the tensor's
+    own if it is on one, else the GPU the group is bound to, else the current GPU.
     """
     if not _initialized():
         return torch.device("cpu")
     if group is not None and dist.get_rank(group) < 0:  # every rank is in the default group
         raise ValueError(f"{name}: this rank is not a member of the given group")
-    if "cpu" in _device_backends(group):
+    if not _has_gpu_backend(_device_backends(group)):
         return torch.device("cpu")
     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
         return tensor.device
     bound = getattr(group or dist.group.WORLD, "bound_device_id", None)
     return bound or torch.device("cuda", torch.cuda.current_device())
+
+
+def _has_gpu_backend(backends):
+    """Whether {device type: backend} names a backend for CUDA tensors other than the CPU's: NCCL, where gloo would
+    copy them through host memory (gloo alone serves both devices, through the host)."""
+    return backends.get("cuda") not in (None, backends.get("cpu"))
 
 
 def _device_backends(group):
@@ -460,8 +467,8 @@ def _parse_backend_config(config):
 def _object_transport(name, group):
     """(group, device) that all_gather_object's bytes move on for `group`: the CPU whenever it can."""
     device = _collective_device(name, group)
-    if device.type == "cpu":  # no process group, or one with a CPU backend
-        return group, device
+    if device.type == "cpu" or "cpu" in _device_backends(group):  # no process group, or one with a CPU backend
+        return group, torch.device("cpu")
     group = group or dist.group.WORLD
     if dist.get_process_group_ranks(group) == list(range(dist.get_world_size())):
         # Every rank is in this call, in the same order as in a new group, so creating one here stays collective and

@@ -543,7 +543,7 @@ def data_collectives(world, equal):
     """The collectives that move the data after the header: on NCCL one all-gather; on gloo one broadcast per rank
     for uneven sizes, and for equal ones on up to 4 ranks (faster there), else one all-gather. BACKEND, from this
     launch's own arguments, says which: the expectation must not come from the code under test."""
-    if BACKEND == "nccl" or (equal and world > 4):
+    if BACKEND != "gloo" or (equal and world > 4):
         return 1
     return world
 
@@ -618,6 +618,28 @@ def check_subgroup(device, group=None):
         check(device, sub)
 
 
+def check_mixed_group_moves_tensors_over_its_gpu_backend(device, group=None):
+    """On a group of gloo and NCCL ("cpu:gloo,cuda:nccl"), tensors move over NCCL, forward and backward, whatever
+    their device; objects over gloo. Counted by each backend's own sequence number, which each collective advances."""
+    group = group or dist.group.WORLD
+    gpu, cpu = (group._get_backend(torch.device(kind)) for kind in ("cuda", "cpu"))
+
+    def collectives(fn):
+        before = gpu._get_sequence_number_for_group(), cpu._get_sequence_number_for_group()
+        fn()
+        return gpu._get_sequence_number_for_group() - before[0], cpu._get_sequence_number_for_group() - before[1]
+
+    rank = gu.get_rank(group)
+    rows = torch.full((rank + 1, 3), float(rank), device=device, requires_grad=True)
+    on_gpu, on_cpu = collectives(lambda: gu.all_gather_concat(rows, group).sum().backward())
+    assert on_gpu >= 2 and on_cpu == 0, (on_gpu, on_cpu)  # the header, the backward's all-reduce
+    assert torch.equal(rows.grad, torch.full_like(rows, gu.get_world_size(group)))
+    on_gpu, on_cpu = collectives(lambda: gu.all_gather_concat(rows.detach().cpu(), group))
+    assert on_gpu >= 1 and on_cpu == 0, (on_gpu, on_cpu)
+    on_gpu, on_cpu = collectives(lambda: gu.all_gather_object({"rank": rank}, group))
+    assert on_gpu == 0 and on_cpu >= 1, (on_gpu, on_cpu)
+
+
 def check_default_group(device, group=None):
     """The checks above run on explicit groups; group=None must mean the whole world."""
     check_all_gather_concat_uneven(device, None)
@@ -666,6 +688,13 @@ DISTRIBUTED_CHECKS = [
     check_async_returns_with_the_data_in_flight,
     check_contrastive_loss_under_ddp,
 ]
+# A group of gloo and NCCL runs these: the backend each call takes, and the gathers' results on that group.
+MIXED_GROUP_CHECKS = [
+    "check_mixed_group_moves_tensors_over_its_gpu_backend", "check_all_gather_concat_uneven",
+    "check_all_gather_concat_every_dtype", "check_all_gather_concat_gradient", "check_all_gather_object",
+    "check_all_reduce_mean_tensor", "check_all_reduce_mean_dict", "check_gather_for_metrics_drops_sampler_padding",
+    "check_contrastive_loss_under_ddp",
+]
 # These take `width`, and run again past the header's room.
 WIDE_CHECKS = [check for check in CHECKS if "width" in inspect.signature(check).parameters]
 
@@ -688,7 +717,8 @@ def plain_checks(world):
 
 def checks_for(world):
     """Every check a process group of `world` ranks runs under torchrun."""
-    return plain_checks(world) + DISTRIBUTED_CHECKS + [past_the_header_room(check) for check in WIDE_CHECKS]
+    mixed = [check_mixed_group_moves_tensors_over_its_gpu_backend] if BACKEND == "cpu:gloo,cuda:nccl" else []
+    return plain_checks(world) + DISTRIBUTED_CHECKS + mixed + [past_the_header_room(check) for check in WIDE_CHECKS]
 
 
 def run_checks(device, report=None, only=None):
@@ -727,9 +757,9 @@ def main():
     )
     parser.add_argument(
         "--backend",
-        choices=["gloo", "nccl", "default"],
+        choices=["gloo", "nccl", "cpu:gloo,cuda:nccl", "default"],
         default="gloo",
-        help="default: init_process_group()'s own",
+        help="default: init_process_group()'s own; cpu:gloo,cuda:nccl: both, as train_ddp.py's group on GPUs",
     )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, else cpu"
@@ -740,8 +770,8 @@ def main():
     parser.add_argument("--checks", help="only these checks, comma-separated")
     args = parser.parse_args()
     global BACKEND
-    BACKEND = "nccl" if args.backend == "nccl" else "gloo"  # "default" without GPUs is gloo
-    device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
+    BACKEND = "gloo" if args.backend == "default" else args.backend  # "default" without GPUs is gloo
+    device = torch.device(args.device or ("cpu" if BACKEND == "gloo" else "cuda"))
     if device.type == "cuda":
         # gloo may put several ranks on one GPU; NCCL needs one GPU per rank.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -919,6 +949,24 @@ def test_torchrun_nccl_one_rank_per_gpu():
     """NCCL takes one GPU per rank: on a machine of one GPU this is a world of one, where no data crosses between
     ranks and the uneven all-gather never runs (docs/testing.md says what one GPU cannot cover)."""
     assert_every_check_passed(torch.cuda.device_count(), "--backend", "nccl")
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_torchrun_mixed_group_one_rank_per_gpu():
+    """train_ddp.py's group on GPUs: tensors over NCCL, objects over gloo."""
+    nproc = torch.cuda.device_count()
+    assert_every_check_passed(nproc, "--backend", "cpu:gloo,cuda:nccl", "--checks", ",".join(MIXED_GROUP_CHECKS))
+
+
+def test_tensors_take_the_gpu_backend_of_a_group_that_has_one():
+    # The choice behind the test above, on the backend configs torch makes for each spec (a group with NCCL cannot
+    # form without a GPU): NCCL when the group has it, else the CPU's gloo, which would copy CUDA tensors through it.
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    for spec, gpu in [("cpu:gloo,cuda:nccl", True), ("nccl", True), ("gloo", False), ("cpu:gloo,cuda:gloo", False)]:
+        config = str(BackendConfig(Backend(spec)))
+        assert gu._has_gpu_backend(gu._parse_backend_config(config)) is gpu, (spec, config)
 
 
 @needs_cuda
