@@ -35,7 +35,7 @@ import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hosts
-from train_ddp import SyntheticImages, amp_context, memory_format, register_comm_hook, to_model_input
+from train_ddp import ModelInput, SyntheticImages, amp_context, memory_format, register_comm_hook
 
 # name -> worker flags. "single" is one process without DDP. "independent" runs --nproc
 # processes without DDP (the "--nproc" marker is not passed on): what sharing the machine costs
@@ -160,11 +160,10 @@ def synthetic_batches(args, device):
     """Eight batches of train_ddp.py's synthetic images, already on the device, each rank its own."""
     images = SyntheticImages(10**9, 10, args.image_size, seed=0, split="train")
     first = 8 * args.batch * int(os.environ.get("RANK", 0))
-    batches = []
+    to_input, batches = ModelInput(args, device), []
     for k in range(8):
         pairs = [images[first + k * args.batch + i] for i in range(args.batch)]
-        batch = to_model_input(torch.stack([image for image, _ in pairs]), args, device)
-        batches.append((batch, torch.tensor([label for _, label in pairs], device=device)))
+        batches.append(to_input(torch.stack([image for image, _ in pairs]), torch.tensor([label for _, label in pairs])))
     return batches
 
 

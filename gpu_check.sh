@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # The GPU proof in one try, on one CUDA machine, with the python3 it finds (torch 2.3 or later with torchvision;
-# nothing installed), inside a deadline. Most valuable first: the gather tests over NCCL and over gloo with CUDA
-# tensors; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against one process);
-# train_ddp.py on NCCL: fp32, resume, --evaluate, SIGTERM mid-epoch and its resume; bf16 + channels-last, fp16,
-# each hook, SyncBN, --compile, a fine-tune from --weights; then ResNet-50 speed at 224 px, on synthetic batches
-# already on the GPU and through the DataLoader from JPEG photographs (is the GPU waiting for its input?).
+# nothing installed), inside a deadline. Most valuable first: the gather tests over NCCL, over train_ddp.py's group of
+# gloo and NCCL, and over gloo with CUDA tensors; the headline figure, train_ddp.py's ResNet-50 at 224 px in bf16
+# (batch 256, synthetic data), under check_syncs.py (no host-device sync between log lines); what a collective past
+# --collective-timeout shows on NCCL; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against
+# one process); train_ddp.py on NCCL: fp32, bf16 + channels-last and fp16 under check_syncs.py, resume, --evaluate,
+# SIGTERM mid-epoch and its resume, two hooks, a fine-tune from --weights; ResNet-50 speed at 224 px with and without
+# DDP (bench_train.py); JPEG photographs through the input pipeline; --compile.
 #
-#   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 480)
-#   DEADLINE=600 bash gpu_check.sh
+#   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
 #                                     # steps that need CUDA are skipped), to prove the script itself and time it
+#   ONLY="headline speed_fp32" bash gpu_check.sh --rehearse    # only these steps
 #
-# Every step runs whatever failed before it, under a time limit of its own (past it, its whole process tree is
-# killed), and asserts its result. A step starts only if the deadline leaves it 20 s; the rest are listed as
-# skipped. Out ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step;
-# logs/NAME.log, written as each step runs and packed into step_logs.tar.gz at the end (also on SIGTERM).
-# The exit code is 1 if any step failed or timed out.
+# Every step runs whatever failed before it, under a time limit of its own, and asserts its result. Past its limit a
+# step's processes get SIGABRT (PYTHONFAULTHANDLER=1: every thread's stack goes to its log), then SIGKILL. A step
+# starts only if the deadline leaves it 20 s; the rest are listed as skipped, and the check is then incomplete. Out
+# ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step; logs/NAME.log, written
+# as each step runs and packed into step_logs.tar.gz at the end (also on SIGTERM). Exit code: 1 if any step failed or
+# timed out, else 2 if the deadline skipped any (incomplete), else 0.
+#
+# Estimated on an H200 (none has run this yet): 25 to 40 s a step (python, torch and NCCL start in 10 to 15 s of
+# it), --compile about 90 s: about 470 s in all, the steps' own limits adding up to more.
 #
 # What one GPU cannot show: NCCL between ranks. NCCL refuses two ranks on one GPU, so its multi-rank paths
 # (gather_utils' uneven all-gather, the header exchange between ranks, DDP's all-reduce, SyncBN over NCCL) run
@@ -29,11 +35,11 @@ logs=$out/logs
 work=$(mktemp -d /tmp/gpu_check_work.XXXXXX)  # checkpoints and data: not copied back
 mkdir -p "$logs"
 exec > >(tee "$out/gpu_check.log") 2>&1
-deadline=$((SECONDS + ${DEADLINE:-480}))
-export OMP_NUM_THREADS=4 PYTHONPATH=$PWD
+deadline=$((SECONDS + ${DEADLINE:-540}))
+export OMP_NUM_THREADS=4 PYTHONPATH=$PWD PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN
 py=python3
 names=() results=() seconds=() notes=()
-running= current= current_began=
+running= current= current_began= finished=false failed=0 incomplete=0
 
 # The pid of the step in flight, and every process under it (torchrun starts its workers in sessions of their own).
 tree() {
@@ -54,18 +60,38 @@ print(*found)
 EOF
 }
 
-kill_tree() {  # stopped first, so that none of them can start another or be reparented while the rest die
+# SIGABRT first: each Python process writes every thread's stack to the step's log. Then SIGKILL, to processes
+# stopped first, so that none of them can start another or be reparented while the rest die.
+kill_tree() {
     local pids
     pids=$(tree "$1")
+    kill -ABRT $pids 2>/dev/null
+    sleep 2
+    pids="$pids $(tree "$1")"
     kill -STOP $pids 2>/dev/null
-    kill -KILL $pids $(tree "$1") 2>/dev/null
+    kill -KILL $pids 2>/dev/null
+}
+
+verdict() {  # failed: the steps that failed, timed out or were stopped; incomplete: those the deadline skipped
+    local i
+    failed=0 incomplete=0
+    for i in "${!names[@]}"; do
+        case ${results[$i]} in
+            pass) ;;
+            skipped) [[ ${notes[$i]} != deadline ]] || incomplete=$((incomplete + 1)) ;;
+            *) failed=$((failed + 1)) ;;
+        esac
+    done
 }
 
 write_summary() {  # written whole, then renamed: a kill leaves the last complete one
-    local i sep=
+    local i sep= complete=false
+    verdict
+    $finished && ((incomplete == 0)) && complete=true
     {
-        printf '{"deadline_seconds": %d, "rehearsal": %s, "steps": [' "${DEADLINE:-480}" \
-            "$( ((rehearse)) && echo true || echo false)"
+        printf '{"deadline_seconds": %d, "rehearsal": %s, "finished": %s, "failed": %d, "skipped_by_deadline": %d, ' \
+            "${DEADLINE:-540}" "$( ((rehearse)) && echo true || echo false)" "$finished" "$failed" "$incomplete"
+        printf '"complete": %s, "steps": [' "$complete"
         for i in "${!names[@]}"; do
             printf '%s\n {"step": "%s", "result": "%s", "seconds": %d, "note": "%s"}' "$sep" "${names[$i]}" \
                 "${results[$i]}" "${seconds[$i]}" "${notes[$i]}"
@@ -80,11 +106,20 @@ record() {  # name result seconds [note]
     write_summary
 }
 
+wanted() {  # name: whether ONLY, if set, names it
+    [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]
+}
+
+passed() {  # name: whether that step is the last one recorded, and it passed
+    ((${#names[@]})) && [[ ${names[-1]} == "$1" && ${results[-1]} == pass ]]
+}
+
 # step NAME LIMIT COMMAND...: run it in a session of its own, output in logs/NAME.log, killed with its whole tree
 # past LIMIT seconds or the deadline; print the log's tail if it fails.
 step() {
     local name=$1 limit=$2 began=$SECONDS status=pass left=$((deadline - SECONDS)) pid
     shift 2
+    wanted "$name" || return 0
     if ((left < 20)); then
         echo "== $name: skipped, ${left} s left before the deadline"
         record "$name" skipped 0 "deadline"
@@ -97,7 +132,7 @@ step() {
     while kill -0 "$pid" 2>/dev/null && ((SECONDS - began < limit)); do sleep 0.2; done
     if kill -0 "$pid" 2>/dev/null; then
         kill_tree "$pid"
-        echo "gpu_check.sh: killed after $limit s" >>"$logs/$name.log"
+        echo "gpu_check.sh: killed after $limit s, with SIGABRT first: the stacks are above" >>"$logs/$name.log"
         status=timeout
     fi
     wait "$pid" || { [[ $status == timeout ]] || status=FAIL; }
@@ -106,18 +141,21 @@ step() {
     record "$name" "$status" $((SECONDS - began))
 }
 
-needs_gpu() {  # name: record it as skipped in a rehearsal
+needs_gpu() {  # name: in a rehearsal, listed as skipped instead of run
     ((rehearse)) || return 1
-    echo "== $1: skipped, needs a GPU"
-    record "$1" skipped 0 "needs a GPU"
+    if wanted "$1"; then
+        echo "== $1: skipped, needs a GPU"
+        record "$1" skipped 0 "needs a GPU"
+    fi
 }
 
-# verify NAME PYTHON: assertions on the files of the step NAME; m(path) reads a metrics file, ck(path) a
-# checkpoint, log(name) a step's output. A failed assertion turns the step's result to FAIL.
+# verify NAME PYTHON: assertions on the files of the step NAME, if it passed; m(path) reads a metrics file, ck(path)
+# a checkpoint, log(name) a step's output. A failed assertion turns the step's result to FAIL. A line `NOTE text`
+# that it prints becomes the step's note.
 verify() {
-    local name=$1 i
-    [[ ${results[-1]} == pass && ${names[-1]} == "$name" ]] || return 0
-    if ! timeout 60 $py - "$work" "$logs" "$2" >>"$logs/$name.log" 2>&1 <<'EOF'
+    local name=$1
+    passed "$name" || return 0
+    if timeout 60 $py - "$work" "$logs" "$2" >>"$logs/$name.log" 2>&1 <<'EOF'
 import json, math, sys, torch
 work, logs, check = sys.argv[1:]
 m = lambda path: [json.loads(line) for line in open(f"{work}/{path}")]
@@ -134,57 +172,70 @@ exec(check)
 print("verified")
 EOF
     then
+        notes[-1]=$(grep '^NOTE ' "$logs/$name.log" | tail -n 1 | cut -c6- | tr -d '"\\')
+    else
         tail -n 8 "$logs/$name.log"
         results[-1]=FAIL
-        write_summary
     fi
+    write_summary
 }
 
 finish() {
-    local status=$?
+    local status=$? i
     if [[ -n $running ]]; then
         kill_tree "$running"
         record "$current" stopped $((SECONDS - current_began))
     fi
+    finished=true
+    write_summary
     echo
     printf '| step | result | seconds | note |\n|---|---|---|---|\n'
-    local i failed=0
     for i in "${!names[@]}"; do
         printf '| %s | %s | %s | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "${notes[$i]}"
-        [[ ${results[$i]} == pass || ${results[$i]} == skipped ]] || failed=$((failed + 1))
     done
     ((status == 0)) || failed=$((failed > 0 ? failed : 1))
     tar -czf "$out/step_logs.tar.gz" -C "$logs" . && rm -r "$logs"
     rm -rf "$work"
-    echo "$failed step(s) failed, $((SECONDS)) s; logs in $out"
-    exit $((failed > 0))
+    echo "$failed step(s) failed, $incomplete skipped by the deadline, $SECONDS s; logs in $out"
+    exit $((failed > 0 ? 1 : incomplete > 0 ? 2 : 0))
 }
 trap finish EXIT
 trap 'echo "gpu_check.sh: stopped by a signal"; exit 1' TERM INT
 
+# DataLoader workers for batches of $1 MB: one for each core but two (one for the training process, one spare), as
+# many as /dev/shm holds (each prefetches 2 batches and the process holds one, as train_ddp.py checks), down to none.
+shm_free_mb=$(timeout 10 df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
+workers_for() {
+    local cores=$(($(nproc) - 2)) fit=$(((${shm_free_mb:-0} / $1 - 1) / 2))
+    ((fit > 0)) || fit=0
+    echo $((fit < cores ? fit : cores))
+}
 if ((rehearse)); then
     small=(--arch resnet18 --image-size 32 --train-samples 256 --val-samples 32 --batch-size 16 --workers 2
            --epochs 2 --log-every 4)
     val=32 on="1 x cpu (gloo)" long=(--train-samples 2048) fp16=(--train-samples 64)  # fp16 on a CPU is slow
+    headline=(--arch resnet18 --image-size 32 --batch-size 16 --train-samples 512 --val-samples 32 --log-every 8
+              --workers 2)
     bench=(bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2 --repeats 1)
     photos=(--images 96 --val-images 16) real=(--arch resnet18 --image-size 64 --batch-size 16 --workers 2)
 else
-    # DataLoader workers pass batches through /dev/shm: 2 workers x 3 batches of 0.8 MB fit in any.
+    # 2 workers x 3 batches of 0.8 MB fit in any /dev/shm.
     small=(--arch resnet18 --image-size 64 --train-samples 2048 --val-samples 256 --batch-size 64 --workers 2
            --epochs 2 --log-every 8)
     val=256 on="1 x cuda (nccl)" long=(--train-samples 16384) fp16=()
+    # ImageNet's size: 60 steps of 256 images (37 MB of uint8 a batch), the first 10 the warm-up.
+    headline=(--arch resnet50 --image-size 224 --batch-size 256 --amp bf16 --channels-last --train-samples 15360
+              --val-samples 2560 --log-every 10 --workers "$(workers_for 37)")
     bench=(bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1)
-    # JPEGs at ImageNet's size, a DataLoader worker for each core but two (one for this process, one spare), as
-    # many as /dev/shm holds: each prefetches 2 uint8 batches of 37 MB (and the process holds one).
-    workers=$(($(nproc) - 2)) shm_workers=$(( ($(df -Pm /dev/shm | awk 'NR == 2 {print $4}') / 37 - 1) / 2 ))
-    ((workers > shm_workers)) && workers=$shm_workers
-    photos=(--images 4096 --val-images 512)
-    real=(--arch resnet50 --image-size 224 --batch-size 256 --workers $((workers > 1 ? workers : 1)) --amp bf16
-          --channels-last)
+    photos=(--images 2048 --val-images 256)
+    real=(--arch resnet50 --image-size 224 --batch-size 256 --workers "$(workers_for 37)" --amp bf16 --channels-last)
 fi
-train=($py -m torch.distributed.run --standalone --nproc-per-node 1 train_ddp.py "${small[@]}")
-learned() {  # name: the step's metrics file shows 2 epochs of falling loss over every val image
-    verify "$1" "val_samples = $val; learned('$1.jsonl', 2)"
+torchrun=($py -m torch.distributed.run --standalone)
+train=("${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}")
+checked=("${torchrun[@]}" --nproc-per-node 1 check_syncs.py "${small[@]}")  # train_ddp.py, watched for host syncs
+learned() {  # name [checked]: 2 epochs of falling loss over every val image in its metrics file; and no host sync
+    verify "$1" "val_samples = $val; learned('$1.jsonl', 2)
+assert '${2:-}' != 'checked' or 'rank 0: 0 host waits between log lines' in log('$1'), 'host syncs'"
 }
 
 date -u
@@ -194,111 +245,148 @@ cuda = torch.cuda.is_available()
 print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__,
       "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
       "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))'
-df -h /dev/shm
+timeout 10 df -h /dev/shm
 
-needs_gpu gather_nccl ||
-    step gather_nccl 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 test_gather.py --backend nccl
-needs_gpu gather_gloo_cuda ||
-    step gather_gloo_cuda 150 $py -m torch.distributed.run --standalone --nproc-per-node 2 test_gather.py \
-        --backend gloo --device cuda
+# Estimated seconds on an H200 in brackets.
+needs_gpu gather_nccl ||  # [35]
+    step gather_nccl 150 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend nccl
+needs_gpu gather_mixed_group || step gather_mixed_group 90 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
+    --backend cpu:gloo,cuda:nccl --checks "$(timeout 60 $py -c 'import test_gather as t
+print(",".join(t.MIXED_GROUP_CHECKS))')"  # [20]
+needs_gpu gather_gloo_cuda ||  # [40]
+    step gather_gloo_cuda 150 "${torchrun[@]}" --nproc-per-node 2 test_gather.py --backend gloo --device cuda
+
+# The headline: train_ddp.py itself at ImageNet's size, its images/s and share of time waiting for data, with no
+# host-device sync between log lines (check_syncs.py).  [40]
+step headline 150 "${torchrun[@]}" --nproc-per-node 1 check_syncs.py "${headline[@]}" --epochs 1 \
+    --checkpoint-dir "$work/headline" --metrics-file "$work/headline.jsonl"
+verify headline "r, = m('headline.jsonl'); assert 'rank 0: 0 host waits between log lines' in log('headline')
+print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}, no host sync\")"
+
+# A collective past --collective-timeout on NCCL: what a user sees when a rank hangs. One GPU has no second rank to
+# hang, so the GPU itself is kept busy (torch.cuda._sleep, 20 s) past the timeout (5 s) before an all-reduce that
+# waits for it. Expected, with train_ddp.py's settings: torch's watchdog logs the timed-out all-reduce, its flight
+# recorder writes the rank's last collectives, it aborts NCCL (after 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 60 s by
+# default, 4 here), and the next collective raises: process_group() ends the run with its one line, naming the
+# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang.  [30]
+cat >"$work/nccl_timeout.py" <<'EOF'
+import argparse, os, time, torch, torch.distributed as dist, train_ddp
+args = argparse.Namespace(backend="nccl", init_timeout=60, collective_timeout=5, local_rank=0,
+                          checkpoint_dir=os.path.dirname(__file__))
+device = train_ddp.setup_device(args)
+began = time.monotonic()
+with train_ddp.process_group(args, device):
+    x = torch.ones(1, device=device)
+    torch.cuda._sleep(int(20 * torch.cuda.clock_rate() * 1e6))  # about 20 s of the GPU's time
+    dist.all_reduce(x)
+    print(f"all_reduce queued; the host reads its result at {time.monotonic() - began:.1f} s", flush=True)
+    print(f"read {x.item()} at {time.monotonic() - began:.1f} s", flush=True)
+print("process_group() returned: no error", flush=True)
+EOF
+exits_1='"$@"; code=$?; echo "gpu_check.sh: exit code $code"; ((code == 1))'
+needs_gpu nccl_timeout ||
+    step nccl_timeout 90 env TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000 bash -c "$exits_1" _ "${torchrun[@]}" \
+        --nproc-per-node 1 "$work/nccl_timeout.py"
+verify nccl_timeout "line = next(l for l in log('nccl_timeout').splitlines() if 'error: rank 0: a collective' in l)
+assert 'nccl_trace_rank_* (torchfrtrace' in line, 'no flight recorder file'
+print('NOTE', line[line.index('a collective'):][:150])"
 
 # Two ranks on the one device over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of 8 images
 # each must give the weights and batch-norm statistics of one process stepping on all 16 with plain batch norm,
-# and replicas that agree (replica_checksums raises if not). Unsynchronized statistics would differ.
+# and replicas that agree (replica_checksums stops if not). Unsynchronized statistics would differ. The process
+# group ends as train_ddp.py's does, the model freed first (a model alive at destroy_process_group() was the recipe
+# of the exit hang of torch < 2.14).  [25]
 cat >"$work/shared_device.py" <<'EOF'
-import argparse, torch, torch.distributed as dist, torch.nn.functional as F, torchvision, train_ddp
-dist.init_process_group("gloo")
-rank, device = dist.get_rank(), torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-torch.backends.cudnn.allow_tf32 = False  # batches of 8 and of 16 may take kernels that round TF32 differently
-generator = torch.Generator().manual_seed(1)
-images, labels = torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator)
-def trained(model, x, y):
+import argparse, os, torch, torch.nn.functional as F, torchvision, train_ddp
+args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none", compile=False, backend="gloo",
+                          init_timeout=60, collective_timeout=120, checkpoint_dir=os.path.dirname(__file__))
+def trained(model, x, y, device):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)  # at 0.2, 3 steps on 8 images already diverge
     for _ in range(3):
         optimizer.zero_grad()
         F.cross_entropy(model(x.to(device)), y.to(device)).backward()
         optimizer.step()
     return model
-torch.manual_seed(0)
-args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none", compile=False)
-ddp = train_ddp.wrap_ddp(torchvision.models.resnet18(num_classes=10), args, device, warmup_steps=0)
-mine = slice(8 * rank, 8 * rank + 8)
-checksums = train_ddp.replica_checksums(trained(ddp, images[mine], labels[mine]))
-torch.manual_seed(0)
-single = trained(torchvision.models.resnet18(num_classes=10).to(device), images, labels).state_dict()
-for key, value in ddp.module.state_dict().items():
-    torch.testing.assert_close(value.double(), single[key].double(), rtol=1e-3, atol=1e-4, msg=key)
-print(f"rank {rank}: replicas {checksums} agree; weights and statistics equal one process's")
-dist.destroy_process_group()
+def main():
+    rank, device = train_ddp.dist.get_rank(), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cudnn.allow_tf32 = False  # batches of 8 and of 16 may take kernels that round TF32 differently
+    generator = torch.Generator().manual_seed(1)
+    images, labels = torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+    torch.manual_seed(0)
+    ddp = train_ddp.wrap_ddp(torchvision.models.resnet18(num_classes=10), args, device, warmup_steps=0)
+    mine = slice(8 * rank, 8 * rank + 8)
+    run = argparse.Namespace(model=trained(ddp, images[mine], labels[mine], device), epoch=0, step=3)
+    checksums = train_ddp.replica_checksums(run, args)
+    torch.manual_seed(0)
+    single = trained(torchvision.models.resnet18(num_classes=10).to(device), images, labels, device).state_dict()
+    for key, value in ddp.module.state_dict().items():
+        torch.testing.assert_close(value.double(), single[key].double(), rtol=1e-3, atol=1e-4, msg=key)
+    print(f"rank {rank}: replicas {checksums} agree; weights and statistics equal one process's")
+with train_ddp.process_group(args, torch.device("cpu")):  # gloo, whatever the tensors' device
+    main()
 EOF
-step shared_device_sync_bn_and_replicas 120 $py -m torch.distributed.run --standalone --nproc-per-node 2 \
-    "$work/shared_device.py"
+step shared_device_sync_bn_and_replicas 90 "${torchrun[@]}" --nproc-per-node 2 "$work/shared_device.py"
 
-step train_fp32 150 "${train[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/train_fp32.jsonl"
-learned train_fp32
+step train_fp32 90 "${checked[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/train_fp32.jsonl"  # [20]
+learned train_fp32 checked
 verify train_fp32 "assert '$on' in log('train_fp32')"
-step resume 120 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
-    --metrics-file "$work/train_fp32.jsonl"
+step resume 90 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
+    --metrics-file "$work/train_fp32.jsonl"  # [15]
 verify resume "val_samples = $val; assert 'at epoch 3 step 0' in log('resume'); learned('train_fp32.jsonl', 3)
 assert ck('fp32/last.pt')['epoch'] == 3"
-step evaluate 90 "${train[@]}" --evaluate --resume "$work/fp32/last.pt" --metrics-file "$work/evaluate.jsonl"
+step evaluate 60 "${train[@]}" --evaluate --resume "$work/fp32/last.pt" --metrics-file "$work/evaluate.jsonl"  # [12]
 verify evaluate "e, = m('evaluate.jsonl'); t = m('train_fp32.jsonl')[-1]
 assert e['epoch'] == 3 and e['val_samples'] == $val, e
 assert abs(e['val_acc1'] - t['val_acc1']) <= 100 / $val, (e, t)  # cudnn may pick other kernels: one image at most"
 
 # SIGTERM mid-epoch to a one-process run: it saves last.pt at the step it reached and exits 0; the resumed run
-# goes on from the next step. ($0 of the inline script is the step's log.)
+# goes on from the next step. ($0 of the inline script is the step's log.)  [20, 15]
 sigterm_after_step_20='"$@" & for _ in $(seq 900); do grep -q "step 20/" "$0" && break; sleep 0.1; done
 kill -TERM $!; wait $!'
-step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
+step sigterm 90 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
     --epochs 1 --log-every 1 --checkpoint-dir "$work/sigterm"
 verify sigterm "assert 'continue with --resume' in log('sigterm'), 'no checkpoint line'
 c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c['epoch'], c['step'])"
-step sigterm_resume 120 "${train[@]}" "${long[@]}" --epochs 1 --checkpoint-dir "$work/sigterm" \
+step sigterm_resume 90 "${train[@]}" "${long[@]}" --epochs 1 --checkpoint-dir "$work/sigterm" \
     --resume "$work/sigterm/last.pt"
 verify sigterm_resume "import re; stopped = re.search(r'SIGTERM at epoch 1 step (\d+)/', log('sigterm'))[1]
 assert f'at epoch 1 step {stopped}' in log('sigterm_resume') and ck('sigterm/last.pt')['epoch'] == 1"
 
-step train_bf16_channels_last 120 "${train[@]}" --amp bf16 --channels-last --checkpoint-dir "$work/bf16" \
-    --metrics-file "$work/train_bf16_channels_last.jsonl"
-learned train_bf16_channels_last
-step train_fp16 120 "${train[@]}" "${fp16[@]}" --amp fp16 --checkpoint-dir "$work/fp16" \
-    --metrics-file "$work/train_fp16.jsonl"
-learned train_fp16
+step train_bf16_channels_last 90 "${checked[@]}" --amp bf16 --channels-last --checkpoint-dir "$work/bf16" \
+    --metrics-file "$work/train_bf16_channels_last.jsonl"  # [18]
+learned train_bf16_channels_last checked
+step train_fp16 90 "${checked[@]}" "${fp16[@]}" --amp fp16 --checkpoint-dir "$work/fp16" \
+    --metrics-file "$work/train_fp16.jsonl"  # [18]: the GradScaler too, which the fused SGD keeps from syncing
+learned train_fp16 checked
 verify train_fp16 "s = ck('fp16/last.pt')['scaler']; assert 0 < s['scale'] <= 2**16, s"
-for hook in fp16 bf16 powersgd; do
-    step "hook_$hook" 120 "${train[@]}" --comm-hook "$hook" --warmup-epochs 0.25 --checkpoint-dir "$work/hook_$hook" \
+# The fp16 hook casts as the bf16 one does; PowerSGD runs its own collectives and QR.  [18 each]
+for hook in fp16 powersgd; do
+    step "hook_$hook" 90 "${train[@]}" --comm-hook "$hook" --warmup-epochs 0.25 --checkpoint-dir "$work/hook_$hook" \
         --metrics-file "$work/hook_$hook.jsonl"
     learned "hook_$hook"
 done
-step sync_bn 120 "${train[@]}" --sync-bn --checkpoint-dir "$work/sync_bn" --metrics-file "$work/sync_bn.jsonl"
-learned sync_bn
-step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
-learned compile
-verify compile "assert 'compiled (the first step compiles' in log('compile')"
-# A fine-tune: train_fp32's checkpoint (10 classes) into a model of 4, whose classifier is new.
-step weights 120 "${train[@]}" --weights "$work/fp32/last.pt" --num-classes 4 --checkpoint-dir "$work/weights" \
+# A fine-tune: train_fp32's checkpoint (10 classes) into a model of 4, whose classifier is new.  [18]
+step weights 90 "${train[@]}" --weights "$work/fp32/last.pt" --num-classes 4 --checkpoint-dir "$work/weights" \
     --metrics-file "$work/weights.jsonl"
 learned weights
 verify weights "assert f'from {work}/fp32/last.pt (new fc)' in log('weights'), 'no new classifier'"
 
-# Speed: ResNet-50, synthetic batches already on the device, one process without and with DDP.
-speed() {  # name, bench_train.py flags: the step, with its images/s as the note
-    step "$1" 150 $py "${bench[@]}" --configs single "ddp default" "${@:2}"
-    [[ ${results[-1]} == pass ]] || return 0
-    notes[-1]=$(grep '^| [0-9]' "$logs/$1.log" |
-        awk -F'|' '{c = $3; v = $4; gsub(/^ +| +$/, "", c); gsub(/ *\(.*| /, "", v)
-                    printf "%s%s %s img/s", s, c, v; s = ", "}')
-    write_summary
-}
-speed speed_fp32 --amp off
-speed speed_bf16_channels_last --amp bf16 --channels-last
+# Speed: ResNet-50, synthetic batches already on the device, one process without and with DDP (bench_train.py's
+# table: | link | batch | configuration | images/s (runs) | ...).  [40]
+step speed_bf16_channels_last 150 $py "${bench[@]}" --configs single "ddp default" --amp bf16 --channels-last
+verify speed_bf16_channels_last "rows = [r.split('|') for r in log('speed_bf16_channels_last').splitlines()
+        if r.startswith('| this machine |')]
+assert len(rows) == 2, rows
+print('NOTE', ', '.join(f'{r[3].strip()} {r[4].split()[0]} img/s' for r in rows))"
 
-# Real images: the photographs through train_ddp.py's input pipeline, against the synthetic batches above.
+# Real images: the photographs through train_ddp.py's input pipeline, against the synthetic batches above.  [25, 35]
 step photographs 90 $py bench_data.py --write-folder "$work/photos" "${photos[@]}"
-step real_data 180 $py -m torch.distributed.run --standalone --nproc-per-node 1 train_ddp.py --data "$work/photos" \
-    "${real[@]}" --epochs 2 --log-every 4 --checkpoint-dir "$work/real" --metrics-file "$work/real_data.jsonl"
-verify real_data "r = m('real_data.jsonl')[-1]; assert r['images_per_sec'] > 0 and 0 <= r['data_wait'] < 1, r
+step real_data 150 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py --data "$work/photos" "${real[@]}" \
+    --epochs 1 --log-every 2 --checkpoint-dir "$work/real" --metrics-file "$work/real_data.jsonl"
+verify real_data "r, = m('real_data.jsonl'); assert r['images_per_sec'] > 0 and 0 <= r['data_wait'] < 1, r
 print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}\")"
-[[ ${results[-1]} == pass ]] && notes[-1]=$(grep -o 'NOTE .*' "$logs/real_data.log" | cut -c6-) && write_summary
+
+step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"  # [90]
+learned compile
+verify compile "assert 'compiled (the first step compiles' in log('compile')"
 exit 0  # finish(), the EXIT trap, reports and sets the exit code

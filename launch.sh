@@ -10,6 +10,7 @@
 #   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); a restart resumes
 #                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
 #   OMP_NUM_THREADS  default: CPU cores / N, at least 1
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING  default 2: an NCCL timeout raises rather than kills (below)
 # train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
 set -euo pipefail
 
@@ -38,6 +39,9 @@ shift
 
 cores=$(getconf _NPROCESSORS_ONLN)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
+# On NCCL a collective past --collective-timeout then raises, and each rank ends with one line; torchrun's own
+# setting (1) has torch's watchdog kill the process first (docs/troubleshooting.md).
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # Bad arguments, or more processes than GPUs, fail here, once, with one line, before any

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, free_port, kill_tree, \
+from conftest import HERE, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, free_port, kill_tree, \
     load, metrics, noise_image, ok, run, start, torchrun, write_images
 
 pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own RUN_TIMEOUT
@@ -87,7 +87,8 @@ def test_small_images_train_whole_padded_and_cropped(tmp_path, flip):
     assert None not in shifts  # never more than 1/8 of 32 px, never scaled
     assert len({(dy, dx) for dy, dx, _ in shifts}) > 10
     assert any(mirrored for *_, mirrored in shifts) == flip and not all(mirrored for *_, mirrored in shifts)
-    assert train_ddp.augmentation(train_set) == "Resize > CenterCrop > RandomCrop" + " > RandomHorizontalFlip" * flip
+    names = [type(t).__name__ for t in train_set.transform.transforms]
+    assert names == ["Resize", "CenterCrop", "RandomCrop"] + ["RandomHorizontalFlip"] * flip
 
 
 def test_image_sizes_choose_the_recipe(tmp_path):
@@ -175,16 +176,51 @@ def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
 def test_uint8_batches_reach_the_model_as_normalized_float():
     import train_ddp
 
-    batch = torch.randint(0, 256, (2, 3, 5, 4), dtype=torch.uint8)
+    batch, labels = torch.randint(0, 256, (2, 3, 5, 4), dtype=torch.uint8), torch.tensor([3, 1])
     for channels_last in (False, True):
         args = train_ddp.parse_args(["--arch", "resnet18", *(["--channels-last"] * channels_last)])
-        images = train_ddp.to_model_input(batch, args, torch.device("cpu"))
+        images, out_labels = train_ddp.ModelInput(args, torch.device("cpu"))(batch, labels)
         mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
         want = (batch.float() / 255 - mean[:, None, None]) / std[:, None, None]
         assert images.dtype == torch.float32 and torch.allclose(images, want, atol=1e-6)
         assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        assert torch.equal(out_labels, labels)
     synthetic, _ = train_ddp.build_datasets(train_ddp.parse_args([]))
     assert synthetic[0][0].dtype == torch.uint8 and synthetic[0][0].shape == (3, 32, 32)
+
+
+CHECK_SYNCS = ["--arch", "resnet18", "--train-samples", "192", "--val-samples", "16", "--batch-size", "8",
+               "--log-every", "4", "--workers", "1"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--accum-steps", "2", "--amp", "bf16", "--channels-last", "--sync-bn",
+                                        "--comm-hook", "powersgd", "--warmup-epochs", "0"]], ids=["plain", "everything"])
+def test_no_host_waits_between_log_lines(tmp_path, extra):
+    # check_syncs.py runs train_ddp.py under a TorchDispatchMode that sees every operator which on a GPU would make
+    # the host wait (a value read on the host, a tensor made from host data) between two log lines: there must be none
+    # (before the device kept the normalization's constants, torchvision made 2 tensors from lists per batch).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "check_syncs.py"), *CHECK_SYNCS, *extra, "--epochs", "2", "--checkpoint-dir", tmp_path]
+    result = ok(run(cmd))
+    for rank in range(2):
+        assert f"check_syncs.py: rank {rank}: 0 host waits between log lines" in result.stdout, result.stdout
+
+
+def test_check_syncs_finds_a_host_wait_in_a_step(tmp_path):
+    # The same check on a copy of train_ddp.py that reads the loss on the host after every step: it must name it.
+    source = (HERE / "train_ddp.py").read_text()
+    planted = source.replace("        loss_sum += step_loss\n", "        loss_sum += step_loss.item()\n")
+    assert planted != source
+    for name, text in [("train_ddp.py", planted), ("gather_utils.py", None), ("check_syncs.py", None)]:
+        (tmp_path / name).write_text(text or (HERE / name).read_text())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(tmp_path / "check_syncs.py"), *CHECK_SYNCS, "--epochs", "1", "--checkpoint-dir", tmp_path]
+    result = run(cmd, cwd=tmp_path)
+    assert result.returncode != 0
+    # 12 steps, a log line every 4: watched from the first log line's step to the last step, the reads after
+    # steps 4 to 11 (the log lines' own reads are in all_reduce_mean).
+    assert "check_syncs.py: rank 0: 8 host waits between log lines" in result.stdout, result.stdout
+    assert "aten._local_scalar_dense" in result.stderr and "loss_sum += step_loss.item()" in result.stderr
 
 
 def test_metrics_file_has_every_field(reference):

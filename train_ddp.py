@@ -70,7 +70,7 @@ def main(argv=None):
     if args.dry_run:
         return
     # Noted from here on: a SIGTERM during the set-up, or held since start-up, stops training at its first step.
-    stop = None if args.evaluate else SigtermStop()
+    stop = None if args.evaluate else StopAgreement()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)  # 2. device
     with process_group(args, device):  # 3. process group, and 8. clean-up when the block ends
@@ -78,13 +78,9 @@ def main(argv=None):
 
 
 # ---------------------------------------------------------------- 1. arguments, and the checkpoint to resume from
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message)
-
-
 def parse_args(argv=None):
-    p = ArgumentParser(description="DDP training of a torchvision classifier (see docs/training.md).")
+    p = argparse.ArgumentParser(description="DDP training of a torchvision classifier (see docs/training.md).")
+    p.error = fail  # one line, not argparse's usage, from every rank
     p.add_argument("--local-rank", "--local_rank", type=int, help="set by torch.distributed.launch (else LOCAL_RANK)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl on GPUs, else gloo")
     p.add_argument("--init-timeout", type=float, default=60, help="seconds for all ranks to join (default 60)")
@@ -200,15 +196,20 @@ def process_group(args, device):
     try:
         yield
         # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits for its
-        # threads, one of which may be freeing the last collectives' tensors, which needs the GIL. This barrier's
-        # work keeps those tensors alive until `finished` is freed, after the group.
-        finished = dist.barrier(async_op=True)
-        finished.wait()
+        # threads, one of which may be freeing the last collectives' tensors, which needs the GIL. These works keep
+        # those tensors alive until `finished` is freed, after the group: a barrier, and a collective on the CPU
+        # backend, which on GPUs is the gloo side of the group that the barrier (on NCCL) never reaches.
+        finished = [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]
+        for work in finished:
+            work.wait()
     except RuntimeError as e:  # a rank gone: one line from each rank left, not a traceback
         if not peer_lost(e):
             raise
+        trace = flight_record(args, dist.get_rank())
         rank_error(f"a collective failed: another rank stopped, or stopped answering for --collective-timeout "
-                   f"{args.collective_timeout:g} s; look for its own error ({str(e).strip().splitlines()[0]})")
+                   f"{args.collective_timeout:g} s; look for its own error ({str(e).strip().splitlines()[0]})"
+                   + (f"; each rank's last collectives: {trace.parent}/nccl_trace_rank_* (torchfrtrace {trace.parent})"
+                      if trace.is_file() else ""))
     finally:
         dist.destroy_process_group()
 
@@ -219,6 +220,8 @@ def init_distributed(args, device):
     # collectives (the SIGTERM agreement, objects), which so never queue behind the gradients.
     backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
     bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator on this GPU, at once
+    if device.type == "cuda":  # read as NCCL starts
+        raise_nccl_timeouts(args)
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: a store in memory, no address, no port
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
@@ -262,8 +265,9 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         fetch_weights(named_weights(args))
     model, new_layers = build_model(args, checkpoint)  # 5. model, the same weights on every rank
     torch.manual_seed(args.seed + dist.get_rank())  # from here, one random stream per rank
+    to_input = ModelInput(args, device)
     if args.evaluate:
-        metrics = validate(model.to(device, memory_format=memory_format(args)), val_set, args, device)
+        metrics = validate(model.to(device, memory_format=memory_format(args)), val_set, args, to_input)
         append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
         return log(json.dumps(metrics))
     warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
@@ -277,11 +281,12 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     scheduler = build_scheduler(optimizer, args, steps, warmup_steps, epoch * steps + step)
     start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "") if args.weights else ""
     start += ", compiled (the first step compiles, which takes a while)" if args.compile else ""
+    recipe = " > ".join(type(t).__name__ for t in train_set.transform.transforms) if args.data else "synthetic data"
     log(f"{args.arch}{start} on {dist.get_world_size()} x {device.type} ({args.backend}), "
-        f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {augmentation(train_set)}, "
+        f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {recipe}, "
         f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
     run = Training(model, optimizer, scheduler, scaler, steps_per_epoch=steps, epoch=epoch, step=step)
-    fit(run, train_set, val_set, args, device, stop)
+    fit(run, train_set, val_set, args, to_input, stop)
 
 
 # ---------------------------------------------------------------- 4. data
@@ -306,7 +311,7 @@ class SyntheticImages(Dataset):
 
 
 def build_datasets(args):
-    """uint8 images, as the loader's workers hand them over; to_model_input() makes them the model's input."""
+    """uint8 images, as the loader's workers hand them over; ModelInput makes them the model's input."""
     if not args.data:
         return (SyntheticImages(args.train_samples, args.num_classes, args.image_size, args.seed, "train"),
                 SyntheticImages(args.val_samples, args.num_classes, args.image_size, args.seed, "val"))
@@ -340,12 +345,6 @@ def read_image(path):
         except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... for damaged files
             raise UnreadableImage(f"{path} ({type(e).__name__}: {str(e).strip()})") from None
     return image if image.dtype == torch.uint8 else v2.functional.to_dtype(image, torch.uint8, scale=True)
-
-
-def augmentation(dataset):
-    """The training transforms, for the log's start line."""
-    transform = getattr(dataset, "transform", None)  # SyntheticImages has none
-    return " > ".join(type(t).__name__ for t in transform.transforms) if transform else "synthetic data"
 
 
 def steps_per_epoch(train_set, args):
@@ -487,7 +486,7 @@ class Training:
     step: int = 0  # after `step` of its optimizer steps
 
 
-def fit(run, train_set, val_set, args, device, stop):
+def fit(run, train_set, val_set, args, to_input, stop):
     """Train from where `run` stands to the last epoch; after each epoch, save last.pt and validate."""
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     for epoch in range(run.epoch, args.epochs):
@@ -499,21 +498,20 @@ def fit(run, train_set, val_set, args, device, stop):
         per_step = args.batch_size * args.accum_steps
         shard = list(sampler)[run.step * per_step: run.steps_per_epoch * per_step]
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
-                            num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
+                            num_workers=args.workers, pin_memory=to_input.device.type == "cuda", drop_last=True,
                             generator=torch.Generator().manual_seed(worker_seed))
-        train_stats, stopped = train_one_epoch(run, loader, args, device, stop)
+        train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)
         if stopped:
             save_checkpoint(run, args)
             log(f"stopped by SIGTERM at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}; "
                 f"continue with --resume {last_checkpoint(args)}")
             return
         run.epoch, run.step = epoch + 1, 0
-        checksums = replica_checksums(run.model)
-        recalibrate_batch_norm(run.model.module, train_set, sampler, args, device)
+        recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
         sync_buffers(run.model.module)
         # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
-        save_checkpoint(run, args)
-        metrics = validate(run.model.module, val_set, args, device)
+        checksums = save_checkpoint(run, args)
+        metrics = validate(run.model.module, val_set, args, to_input)
         record = {"epoch": epoch + 1, **train_stats, **metrics,
                   "epoch_seconds": time.perf_counter() - epoch_start, "replica_checksums": checksums}
         append_metrics(args, record)
@@ -525,34 +523,33 @@ def fit(run, train_set, val_set, args, device, stop):
             return
 
 
-def train_one_epoch(run, loader, args, device, stop):
+def train_one_epoch(run, loader, args, to_input, stop):
     """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM.
 
     Returns the loss and the share of time spent waiting for data over this call's steps, the images/s of all ranks
     together from its first log line on (the steps before include the warm-up and any compilation), each averaged
-    over ranks, and whether to stop.
+    over ranks, and whether to stop. Between log lines nothing makes the host wait for the GPU (check_syncs.py).
     """
     run.model.train()
-    autocast = amp_context(args, device)
+    autocast = amp_context(args, to_input.device)
     images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
-    batches, loss_sum, first_step = iter(loader), torch.zeros((), device=device), run.step
-    began = line_began = synced_clock(device)
-    line_step, waited, line_waited = run.step, 0.0, 0.0  # waited on the host: a GPU busy with queued steps is not idle
-    timed = None  # (step, time) of the first log line
+    batches, loss_sum, first_step = iter(loader), torch.zeros((), device=to_input.device), run.step
+    began = line_began = synced_clock(to_input.device)
+    upcoming, waited = next_step(batches, args, stop), time.perf_counter() - began  # waited on the host, not the GPU
+    line_step, line_waited, timed = run.step, waited, None  # timed: (step, time) of the first log line
     while run.step < run.steps_per_epoch:
-        fetch_began = time.perf_counter()
-        try:
-            micro_batches, problem = [next(batches) for _ in range(args.accum_steps)], None
-        except UnreadableImage as e:
-            micro_batches, problem = [], unreadable(e)
+        # Agreed before every step, so that one rank's SIGTERM, or an image it cannot read, stops all ranks here.
+        # The flags for step N + 1 travel while step N computes.
+        if stop.agreed():
+            return None, True
+        micro_batches, fetch_began = upcoming, time.perf_counter()
+        if run.step + 1 < run.steps_per_epoch:
+            upcoming = next_step(batches, args, stop)
         fetched = time.perf_counter() - fetch_began
         waited, line_waited = waited + fetched, line_waited + fetched
-        # Agreed before the step, so that one rank's SIGTERM, or an image it cannot read, stops all ranks here.
-        if stop.agreed(problem):
-            return None, True
-        step_loss = torch.zeros((), device=device)
-        for i, (images, labels) in enumerate(micro_batches):
-            images, labels = to_model_input(images, args, device), labels.to(device, non_blocking=True)
+        step_loss = torch.zeros((), device=to_input.device)
+        for i, batch in enumerate(micro_batches):
+            images, labels = to_input(*batch)
             # Gradients of the earlier micro-batches only accumulate locally; one all-reduce per step.
             with nullcontext() if i + 1 == args.accum_steps else run.model.no_sync():
                 with autocast:
@@ -567,20 +564,34 @@ def train_one_epoch(run, loader, args, device, stop):
         run.step += 1
         loss_sum += step_loss
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
-            now = synced_clock(device)
+            now = synced_clock(to_input.device)
             mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": line_waited / (now - line_began)})
+            if not math.isfinite(mean["loss"]):
+                stop_all(f"the loss is {mean['loss']} at epoch {run.epoch + 1} step {run.step}: training diverged; "
+                         f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is unchanged")
             rate = (run.step - line_step) * images_per_step / (now - line_began)
             total, done = args.epochs * run.steps_per_epoch, run.epoch * run.steps_per_epoch + run.step
             log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} ({done}/{total}) loss "
                 f"{mean['loss']:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
                 f"eta {datetime.timedelta(seconds=round((total - done) * images_per_step / rate))}")
             line_began, line_step, line_waited, timed = now, run.step, 0.0, timed or (run.step, now)
-    end = synced_clock(device)
+    end = synced_clock(to_input.device)
     if timed is None or timed[0] == run.step:  # a single log line: time every step
         timed = first_step, began
     stats = {"train_loss": loss_sum / (run.step - first_step), "data_wait": waited / (end - began),
              "images_per_sec": (run.step - timed[0]) * images_per_step / (end - timed[1])}
     return gather_utils.all_reduce_mean(stats), False
+
+
+def next_step(batches, args, stop):
+    """The next optimizer step's micro-batches, and this rank's stop flags sent on their way: a SIGTERM noted so far,
+    and an image that could not be read (then no batches)."""
+    try:
+        micro_batches, problem = [next(batches) for _ in range(args.accum_steps)], None
+    except UnreadableImage as e:
+        micro_batches, problem = [], unreadable(e)
+    stop.send(problem)
+    return micro_batches
 
 
 def synced_clock(device):
@@ -589,27 +600,34 @@ def synced_clock(device):
     return time.perf_counter()
 
 
-def to_model_input(images, args, device):
-    """A uint8 batch from the loader as the model takes it: on the device, in float, normalized, in the model's
-    memory format. Done here rather than in the loader's workers, so that batches cross shared memory, pinned
-    memory and the copy to the GPU at a quarter of float32's bytes, and the GPU does the arithmetic."""
-    images = images.to(device, non_blocking=True).float().div_(255)
-    return v2.functional.normalize(images, IMAGENET_MEAN, IMAGENET_STD).contiguous(memory_format=memory_format(args))
+class ModelInput:
+    """A uint8 batch from the loader as the model takes it: on the device, in the model's memory format, in float,
+    normalized. Done here rather than in the loader's workers, so that batches cross shared memory, pinned memory and
+    the copy to the GPU at a quarter of float32's bytes, and the GPU does the arithmetic."""
+
+    def __init__(self, args, device):
+        self.device, self.memory_format = device, memory_format(args)
+        # On the device once: a tensor made from host data for each batch would make the host wait for the GPU.
+        self.mean, self.std = 255 * torch.tensor([IMAGENET_MEAN, IMAGENET_STD], device=device).view(2, 1, 3, 1, 1)
+
+    def __call__(self, images, labels):
+        images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+        return images.float().sub_(self.mean).div_(self.std), labels.to(self.device, non_blocking=True)
 
 
 @torch.no_grad()
-def validate(model, val_set, args, device):
+def validate(model, val_set, args, to_input):
     """Loss, top-1 and top-5 over every val image exactly once, equal on every rank: DistributedSampler pads the
     shards with repeats, and gather_for_metrics drops them, so the averages are a single process's."""
     model.eval()
-    autocast = amp_context(args, device)
+    autocast = amp_context(args, to_input.device)
     indices = list(DistributedSampler(val_set, shuffle=False))
     loader = DataLoader(val_set, batch_size=args.batch_size, sampler=indices, num_workers=args.workers,
-                        pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(args.seed))
+                        pin_memory=to_input.device.type == "cuda", generator=torch.Generator().manual_seed(args.seed))
     rows, problem = [], None
     try:
-        for images, labels in loader:
-            images, labels = to_model_input(images, args, device), labels.to(device, non_blocking=True)
+        for batch in loader:
+            images, labels = to_input(*batch)
             with autocast:
                 logits = model(images).float()
             hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
@@ -618,13 +636,13 @@ def validate(model, val_set, args, device):
     except UnreadableImage as e:
         problem = unreadable(e)
     stop_on_problems(gather_utils.all_gather_object(problem))  # before the gather, which every rank must reach
-    rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices, device=device), len(val_set))
+    rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices), len(val_set))
     loss, acc1, acc5 = rows.mean(dim=0).tolist()
     return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5, "val_samples": len(rows)}
 
 
 @torch.no_grad()
-def recalibrate_batch_norm(model, train_set, sampler, args, device):
+def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
     """Batch-norm statistics of the weights as they are, from this rank's first BN_BATCHES training batches. The
     running averages trail the weights by about ten steps: while the weights change fast, as early in a short run,
     validating with them gives a loss in the thousands at chance accuracy."""
@@ -635,8 +653,8 @@ def recalibrate_batch_norm(model, train_set, sampler, args, device):
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=list(sampler)[: BN_BATCHES * args.batch_size],
                         num_workers=args.workers, drop_last=True, generator=torch.Generator().manual_seed(args.seed))
     model.train()
-    for images, _ in loader:
-        model(to_model_input(images, args, device))
+    for batch in loader:
+        model(to_input(*batch)[0])
     for norm, momentum in momenta.items():
         norm.momentum = momentum
 
@@ -663,7 +681,9 @@ def append_metrics(args, record):
 
 # ---------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
-    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact."""
+    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact. Returns the ranks' parameter
+    checksums, checked first (replica_checksums)."""
+    checksums = replica_checksums(run, args)
     # Each rank's random stream, which a resume continues.
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(),
                                           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
@@ -681,6 +701,7 @@ def save_checkpoint(run, args):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     dist.barrier()  # no rank goes on, or exits, before the checkpoint is complete
+    return checksums
 
 
 def last_checkpoint(args):
@@ -883,6 +904,22 @@ def init_failure(error, args, world_size, address):
             f"expected WORLD_SIZE={world_size} ranks at {address}, and not all came or could connect ({reason})")
 
 
+def raise_nccl_timeouts(args):
+    """A collective past --collective-timeout on NCCL: torch's watchdog logs it (rank, collective, sequence number),
+    dumps each rank's last collectives (its flight recorder) beside the checkpoints, then aborts NCCL, so that the
+    next collective raises and process_group() ends the run with its one line. torch's default error handling (3, or
+    torchrun's 1; launch.sh passes 2) would kill the process before any. Settings of the user's own stay."""
+    Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    settings = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(flight_record(args, ""))}
+    for name, value in settings.items():
+        os.environ.setdefault(name, value)
+
+
+def flight_record(args, rank):
+    return Path(args.checkpoint_dir).resolve() / f"nccl_trace_rank_{rank}"
+
+
 def peer_lost(error):
     """Whether a collective failed: gloo's connections closed or timed out, or NCCL's error."""
     return "gloo/transport" in str(error) or isinstance(error, dist.DistBackendError)
@@ -908,25 +945,48 @@ def check_same_start(checkpoint):
              "file, and a --checkpoint-dir they all see (a shared filesystem)")
 
 
-class SigtermStop:
+class StopAgreement:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before every optimizer
-    step, and after each validation but the last, the ranks gather the notes, so that one rank's SIGTERM stops all
-    at the same point. One small collective on the CPU (gloo, even on NCCL): agreeing never waits for the GPU."""
+    step, and after each validation but the last, the ranks agree, so that one rank's SIGTERM, or an image it cannot
+    read, stops all at the same point. The common case costs one all-reduce of two flags on the CPU backend (gloo,
+    even on NCCL: it never waits for the GPU), sent before the step ahead computes and read after; a problem's text is
+    gathered only when some rank has one."""
 
     def __init__(self):
         self.requested = threading.Event()
         signal.signal(signal.SIGTERM, self.note)
+        self.flags, self.sent, self.problem = torch.zeros(2, dtype=torch.int32), None, None
 
     def note(self, signum, frame):
         self.requested.set()
         # Ignored from now: a second one (SLURM and launch.sh may send several) cannot kill the process as it exits.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-    def agreed(self, problem=None):
-        """Whether to stop now, for a SIGTERM on any rank; if any rank has a `problem`, every rank exits."""
-        notes = gather_utils.all_gather_object((self.requested.is_set(), problem))
-        stop_on_problems([problem for _, problem in notes])
-        return any(requested for requested, _ in notes)
+    def send(self, problem=None):
+        """Start this rank's flags on their way: a SIGTERM noted so far, and whether it has a `problem`."""
+        self.problem = problem
+        self.flags[0].fill_(self.requested.is_set())
+        self.flags[1].fill_(problem is not None)
+        self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
+
+    def agreed(self):
+        """Whether to stop, for a SIGTERM on any rank, by the flags sent last (sent now if none are on their way); if
+        any rank has a problem, every rank exits."""
+        if self.sent is None:
+            self.send()
+        self.sent.wait()
+        self.sent = None
+        sigterm, problems = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
+        if problems:
+            stop_on_problems(gather_utils.all_gather_object(self.problem))
+        return bool(sigterm)
+
+
+def stop_all(message):
+    """A verdict that every rank reached alike, from values they all gathered: rank 0 says it, every rank exits 1."""
+    if dist.get_rank() == 0:
+        say(f"error: {message}")
+    sys.exit(1)
 
 
 def stop_on_problems(problems):
@@ -946,12 +1006,16 @@ def unreadable(error):
     return f"cannot read {str(error).rsplit('UnreadableImage: ', 1)[-1].strip()}; remove or replace that file"
 
 
-def replica_checksums(model):
-    """Each rank's parameter checksum: DDP must keep them identical; a difference means a broken sync."""
-    checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(model.parameters())).item()
+def replica_checksums(run, args):
+    """Each rank's parameter checksum: DDP must keep them identical; a difference means a broken sync. A model gone
+    non-finite (nan != nan) stops every rank, before it is saved."""
+    checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(run.model.parameters())).item()
     checksums = gather_utils.all_gather_object(checksum)
+    if not all(map(math.isfinite, checksums)):
+        stop_all(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} (checksums per rank: "
+                 f"{checksums}): training diverged; lower --lr or check the data; {last_checkpoint(args)} is unchanged")
     if len(set(checksums)) != 1:
-        raise RuntimeError(f"the model replicas diverged (parameter checksums per rank: {checksums})")
+        stop_all(f"the model replicas diverged (parameter checksums per rank: {checksums}); expected equal ones")
     return checksums
 
 
@@ -969,7 +1033,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         if not self.training:
             return super().forward(x)
         c, xf = x.shape[1], x.float()
-        count = torch.tensor([x.numel() / c], device=x.device)
+        count = xf.new_full((1,), x.numel() / c)
         totals = dist_nn.all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
         n = totals[-1]
         mean = totals[:c] / n
