@@ -68,7 +68,7 @@ def worker(args):
             if design == DESIGNS[0]:
                 step([next(batches)])
             elif design == DESIGNS[1]:  # as train_ddp.py did: every rank's notes, gathered before the step
-                notes = gather_utils.all_gather_object((stop.requested.is_set(), None))
+                notes = gather_utils.all_gather_object((stop.requested, None))
                 if any(requested for requested, _ in notes):
                     break
                 step([next(batches)])

@@ -23,17 +23,14 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
@@ -60,7 +57,7 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # wh
 # Images up to this size (CIFAR, Tiny ImageNet) train whole: a random-resized crop, which may keep 8%, loses them.
 SMALL_IMAGE_MAX_SIZE = 64
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
-BN_BATCHES = 4  # batches per rank that recalibrate_batch_norm averages before each validation
+BN_IMAGES = 8192  # recalibrate_batch_norm's images over all ranks, at most the train set: precise BN's count
 
 
 def main(argv=None):
@@ -81,7 +78,8 @@ def main(argv=None):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="DDP training of a torchvision classifier (see docs/training.md).")
     p.error = fail  # one line, not argparse's usage, from every rank
-    p.add_argument("--local-rank", "--local_rank", type=int, help="set by torch.distributed.launch (else LOCAL_RANK)")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=env_local_rank(),
+                   help="set by torch.distributed.launch (default: LOCAL_RANK, else SLURM_LOCALID, else 0)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl on GPUs, else gloo")
     p.add_argument("--init-timeout", type=float, default=60, help="seconds for all ranks to join (default 60)")
     p.add_argument("--collective-timeout", type=float, default=600, help="seconds a collective waits (default 600)")
@@ -131,8 +129,6 @@ def parse_args(argv=None):
     args.resize = args.resize or args.image_size * 256 // 224
     if args.backend == "auto":
         args.backend = "nccl" if device_type == "cuda" else "gloo"
-    if args.local_rank is None:
-        args.local_rank = env_local_rank()
     check_args(args)
     return args
 
@@ -186,6 +182,7 @@ def setup_device(args):
                    "start at most one process per GPU", code=2)
     torch.cuda.set_device(index)
     torch.backends.cudnn.benchmark = True  # fixed input sizes: time the conv kernels once, keep the fastest
+    raise_nccl_timeouts(args)  # read as NCCL starts
     return torch.device("cuda", index)
 
 
@@ -202,14 +199,14 @@ def process_group(args, device):
         finished = [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]
         for work in finished:
             work.wait()
-    except RuntimeError as e:  # a rank gone: one line from each rank left, not a traceback
-        if not peer_lost(e):
+    except RuntimeError as e:  # a rank gone (gloo's connections closed or timed out, NCCL's error): one line each
+        if "gloo/transport" not in str(e) and not isinstance(e, dist.DistBackendError):
             raise
-        trace = flight_record(args, dist.get_rank())
+        trace = Path(os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "") + str(dist.get_rank()))  # on NCCL
+        recorded = f"; its last collectives: {trace} (every rank's: torchfrtrace {trace.parent})"
         rank_error(f"a collective failed: another rank stopped, or stopped answering for --collective-timeout "
                    f"{args.collective_timeout:g} s; look for its own error ({str(e).strip().splitlines()[0]})"
-                   + (f"; each rank's last collectives: {trace.parent}/nccl_trace_rank_* (torchfrtrace {trace.parent})"
-                      if trace.is_file() else ""))
+                   + (recorded if trace.is_file() else ""))
     finally:
         dist.destroy_process_group()
 
@@ -220,8 +217,6 @@ def init_distributed(args, device):
     # collectives (the SIGTERM agreement, objects), which so never queue behind the gradients.
     backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
     bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator on this GPU, at once
-    if device.type == "cuda":  # read as NCCL starts
-        raise_nccl_timeouts(args)
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: a store in memory, no address, no port
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
@@ -415,7 +410,8 @@ def wrap_ddp(model, args, device, warmup_steps):
     if args.sync_bn:
         if device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
+        else:  # nn.SyncBatchNorm runs on GPUs only
+            from cpu_sync_bn import convert_to_cpu_sync_bn
             model = convert_to_cpu_sync_bn(model)
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -483,7 +479,7 @@ class Training:
     model: DDP
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: Any  # a GradScaler, disabled unless --amp fp16
+    scaler: torch.amp.GradScaler  # disabled unless --amp fp16
     steps_per_epoch: int
     epoch: int = 0  # where training stands: in epoch `epoch` (0-based),
     step: int = 0  # after `step` of its optimizer steps
@@ -511,7 +507,6 @@ def fit(run, train_set, val_set, args, to_input, stop):
             return
         run.epoch, run.step = epoch + 1, 0
         recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
-        sync_buffers(run.model.module)
         # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
         checksums = save_checkpoint(run, args)
         metrics = validate(run.model.module, val_set, args, to_input)
@@ -527,19 +522,16 @@ def fit(run, train_set, val_set, args, to_input, stop):
 
 
 def train_one_epoch(run, loader, args, to_input, stop):
-    """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM.
-
-    Returns the loss and the share of time spent waiting for data over this call's steps, the images/s of all ranks
-    together from its first log line on (the steps before include the warm-up and any compilation), each averaged
-    over ranks, and whether to stop. Between log lines nothing makes the host wait for the GPU (check_syncs.py).
-    """
+    """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM. Returns the loss, the share of
+    time spent waiting for data and the images/s of all ranks, averaged over ranks, and whether to stop. Between log
+    lines nothing makes the host wait for the GPU (check_syncs.py)."""
     run.model.train()
     autocast = amp_context(args, to_input.device)
     images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
-    batches, loss_sum, first_step = iter(loader), torch.zeros((), device=to_input.device), run.step
-    began = line_began = synced_clock(to_input.device)
-    upcoming, waited = next_step(batches, args, stop), time.perf_counter() - began  # waited on the host, not the GPU
-    line_step, line_waited, timed = run.step, waited, None  # timed: (step, time) of the first log line
+    batches, loss_sum = iter(loader), torch.zeros((), device=to_input.device)
+    # (step, time, seconds waited for data, on the host: a GPU busy with queued steps is not idle), then at each line
+    marks = [(run.step, synced_clock(to_input.device), 0.0)]
+    upcoming, waited = next_step(batches, args, stop), time.perf_counter() - marks[0][1]
     while run.step < run.steps_per_epoch:
         # Agreed before every step, so that one rank's SIGTERM, or an image it cannot read, stops all ranks here.
         # The flags for step N + 1 travel while step N computes.
@@ -548,8 +540,7 @@ def train_one_epoch(run, loader, args, to_input, stop):
         micro_batches, fetch_began = upcoming, time.perf_counter()
         if run.step + 1 < run.steps_per_epoch:
             upcoming = next_step(batches, args, stop)
-        fetched = time.perf_counter() - fetch_began
-        waited, line_waited = waited + fetched, line_waited + fetched
+        waited += time.perf_counter() - fetch_began
         step_loss = torch.zeros((), device=to_input.device)
         for i, batch in enumerate(micro_batches):
             images, labels = to_input(*batch)
@@ -567,28 +558,27 @@ def train_one_epoch(run, loader, args, to_input, stop):
         run.step += 1
         loss_sum += step_loss
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
-            now = synced_clock(to_input.device)
-            mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": line_waited / (now - line_began)})
+            (line_step, line_began, line_waited), now = marks[-1], synced_clock(to_input.device)
+            data = (waited - line_waited) / (now - line_began)  # the share of the time since the line before
+            mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": data})
             if not math.isfinite(mean["loss"]):
-                stop_all(f"the loss is {mean['loss']} at epoch {run.epoch + 1} step {run.step}: training diverged; "
-                         f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is unchanged")
+                fail(f"the loss is {mean['loss']} at epoch {run.epoch + 1} step {run.step}: training diverged; "
+                     f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is unchanged", code=1)
             rate = (run.step - line_step) * images_per_step / (now - line_began)
             total, done = args.epochs * run.steps_per_epoch, run.epoch * run.steps_per_epoch + run.step
             log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} ({done}/{total}) loss "
                 f"{mean['loss']:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
                 f"eta {datetime.timedelta(seconds=round((total - done) * images_per_step / rate))}")
-            line_began, line_step, line_waited, timed = now, run.step, 0.0, timed or (run.step, now)
-    end = synced_clock(to_input.device)
-    if timed is None or timed[0] == run.step:  # a single log line: time every step
-        timed = first_step, began
-    stats = {"train_loss": loss_sum / (run.step - first_step), "data_wait": waited / (end - began),
-             "images_per_sec": (run.step - timed[0]) * images_per_step / (end - timed[1])}
+            marks.append((run.step, now, waited))
+    # images/s from the first log line on (before it: the warm-up, any compilation), unless it was the last one
+    (first_step, began, _), (timed_step, timed, _) = marks[0], marks[1 if len(marks) > 2 else 0]
+    stats = {"train_loss": loss_sum / (run.step - first_step), "data_wait": waited / (marks[-1][1] - began),
+             "images_per_sec": (run.step - timed_step) * images_per_step / (marks[-1][1] - timed)}
     return gather_utils.all_reduce_mean(stats), False
 
 
 def next_step(batches, args, stop):
-    """The next optimizer step's micro-batches, and this rank's stop flags sent on their way: a SIGTERM noted so far,
-    and an image that could not be read (then no batches)."""
+    """The next step's micro-batches; this rank's stop flags go on their way, with an image it could not read."""
     try:
         micro_batches, problem = [next(batches) for _ in range(args.accum_steps)], None
     except UnreadableImage as e:
@@ -604,9 +594,8 @@ def synced_clock(device):
 
 
 class ModelInput:
-    """A uint8 batch from the loader as the model takes it: on the device, in the model's memory format, in float,
-    normalized. Done here rather than in the loader's workers, so that batches cross shared memory, pinned memory and
-    the copy to the GPU at a quarter of float32's bytes, and the GPU does the arithmetic."""
+    """A uint8 batch from the loader as the model takes it, on the device: batches cross shared memory, pinned memory
+    and the copy to the GPU at a quarter of float32's bytes, and the GPU does the arithmetic."""
 
     def __init__(self, args, device):
         self.device, self.memory_format = device, memory_format(args)
@@ -646,20 +635,24 @@ def validate(model, val_set, args, to_input):
 
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
-    """Batch-norm statistics of the weights as they are, from this rank's first BN_BATCHES training batches. The
-    running averages trail the weights by about ten steps: while the weights change fast, as early in a short run,
-    validating with them gives a loss in the thousands at chance accuracy."""
+    """Batch-norm statistics for the weights as they are, as precise BN computes them: each rank averages the batch
+    statistics of its share of BN_IMAGES, and the ranks average theirs, so that all validate, and save, one model. The
+    running averages trail the weights (early in a short run: a val_loss in the thousands) and hold few batches."""
     momenta = {norm: norm.momentum for norm in model.modules() if getattr(norm, "track_running_stats", False)}
     for norm in momenta:
         norm.reset_running_stats()
         norm.momentum = None  # a plain average over the batches below
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=list(sampler)[: BN_BATCHES * args.batch_size],
+    batches = max(1, min(BN_IMAGES // dist.get_world_size(), len(sampler)) // args.batch_size)  # len: the shard's
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=list(sampler)[: batches * args.batch_size],
                         num_workers=args.workers, drop_last=True, generator=torch.Generator().manual_seed(args.seed))
     model.train()
-    for batch in loader:
-        model(to_input(*batch)[0])
+    with torch.random.fork_rng([to_input.device] if to_input.device.type == "cuda" else []):  # training's stream stays
+        for batch in loader:
+            model(to_input(*batch)[0])
     for norm, momentum in momenta.items():
         norm.momentum = momentum
+        for stats in norm.running_mean, norm.running_var:  # equal batch counts: the mean over all batches
+            dist.all_reduce(stats.div_(dist.get_world_size()))
 
 
 def amp_context(args, device):
@@ -684,8 +677,7 @@ def append_metrics(args, record):
 
 # ---------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
-    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact. Returns the ranks' parameter
-    checksums, checked first (replica_checksums)."""
+    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact. Returns replica_checksums."""
     checksums = replica_checksums(run, args)
     # Each rank's random stream, which a resume continues.
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(),
@@ -746,12 +738,13 @@ def env_local_rank():
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
 
-def fail(message):
-    """Bad input, which every rank of a machine sees alike: its first process says so, one line for each machine
-    instead of N tracebacks (a machine whose --data or --resume differs from the others' says so too)."""
+def fail(message, code=2):
+    """Bad input (exit 2), or a verdict on values all ranks gathered (1): every rank of a machine sees it alike, so
+    its first process says so, one line for each machine instead of N tracebacks (a machine whose --data or --resume
+    differs from the others' says so too)."""
     if env_local_rank() == 0:
         say(f"error: {message}")
-    sys.exit(2)
+    sys.exit(code)
 
 
 def rank_error(message, code=1):
@@ -780,8 +773,7 @@ def check_args(args):
     check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
-    # torchrun and launch.sh's dry run say how many processes share this machine; torch's count heeds MIG and
-    # CUDA_VISIBLE_DEVICES.
+    # torchrun and launch.sh's dry run say how many processes share this machine; torch's count heeds MIG and masks.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
         fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} GPUs are "
@@ -908,24 +900,15 @@ def init_failure(error, args, world_size, address):
 
 
 def raise_nccl_timeouts(args):
-    """A collective past --collective-timeout on NCCL: torch's watchdog logs it (rank, collective, sequence number),
-    dumps each rank's last collectives (its flight recorder) beside the checkpoints, then aborts NCCL, so that the
-    next collective raises and process_group() ends the run with its one line. torch's default error handling (3, or
-    torchrun's 1; launch.sh passes 2) would kill the process before any. Settings of the user's own stay."""
+    """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's last collectives
+    (its flight recorder) beside the checkpoints, and aborts NCCL, so that the next collective raises for the one line
+    of process_group(); torch's 3, or torchrun's 1, would kill the process first. The user's own settings stay."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     settings = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(flight_record(args, ""))}
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")}
     for name, value in settings.items():
         os.environ.setdefault(name, value)
-
-
-def flight_record(args, rank):
-    return Path(args.checkpoint_dir).resolve() / f"nccl_trace_rank_{rank}"
-
-
-def peer_lost(error):
-    """Whether a collective failed: gloo's connections closed or timed out, or NCCL's error."""
-    return "gloo/transport" in str(error) or isinstance(error, dist.DistBackendError)
 
 
 def check_same_start(checkpoint):
@@ -951,30 +934,28 @@ def check_same_start(checkpoint):
 class StopAgreement:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before every optimizer
     step, and after each validation but the last, the ranks agree, so that one rank's SIGTERM, or an image it cannot
-    read, stops all at the same point. The common case costs one all-reduce of two flags on the CPU backend (gloo,
-    even on NCCL: it never waits for the GPU), sent before the step ahead computes and read after; a problem's text is
-    gathered only when some rank has one."""
+    read, stops all at the same point: one all-reduce of two flags on the CPU backend (gloo, even on NCCL: it never
+    waits for the GPU), sent before the step ahead computes; a problem's text is gathered only when there is one."""
 
     def __init__(self):
-        self.requested = threading.Event()
+        self.requested = False  # set by the handler, which Python runs in the main thread
         signal.signal(signal.SIGTERM, self.note)
         self.flags, self.sent, self.problem = torch.zeros(2, dtype=torch.int32), None, None
 
     def note(self, signum, frame):
-        self.requested.set()
+        self.requested = True
         # Ignored from now: a second one (SLURM and launch.sh may send several) cannot kill the process as it exits.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def send(self, problem=None):
         """Start this rank's flags on their way: a SIGTERM noted so far, and whether it has a `problem`."""
         self.problem = problem
-        self.flags[0].fill_(self.requested.is_set())
+        self.flags[0].fill_(self.requested)
         self.flags[1].fill_(problem is not None)
         self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed(self):
-        """Whether to stop, for a SIGTERM on any rank, by the flags sent last (sent now if none are on their way); if
-        any rank has a problem, every rank exits."""
+        """Whether to stop, by the flags sent last (or now): for a SIGTERM on any rank; for a problem, all exit."""
         if self.sent is None:
             self.send()
         self.sent.wait()
@@ -983,13 +964,6 @@ class StopAgreement:
         if problems:
             stop_on_problems(gather_utils.all_gather_object(self.problem))
         return bool(sigterm)
-
-
-def stop_all(message):
-    """A verdict that every rank reached alike, from values they all gathered: rank 0 says it, every rank exits 1."""
-    if dist.get_rank() == 0:
-        say(f"error: {message}")
-    sys.exit(1)
 
 
 def stop_on_problems(problems):
@@ -1015,51 +989,11 @@ def replica_checksums(run, args):
     checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(run.model.parameters())).item()
     checksums = gather_utils.all_gather_object(checksum)
     if not all(map(math.isfinite, checksums)):
-        stop_all(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} (checksums per rank: "
-                 f"{checksums}): training diverged; lower --lr or check the data; {last_checkpoint(args)} is unchanged")
+        fail(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} (checksums per rank: "
+             f"{checksums}): training diverged; lower --lr or check the data; {last_checkpoint(args)} is unchanged", 1)
     if len(set(checksums)) != 1:
-        stop_all(f"the model replicas diverged (parameter checksums per rank: {checksums}); expected equal ones")
+        fail(f"the model replicas diverged (parameter checksums per rank: {checksums}); expected equal ones", 1)
     return checksums
-
-
-def sync_buffers(model):
-    """Give every rank rank 0's batch-norm statistics (each recalibrated its own), which the checkpoint stores."""
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
-
-
-class CPUSyncBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs), for torchvision's
-    affine BatchNorm2d layers. The sums travel through a differentiable all-reduce: the backward is synchronized too."""
-
-    def forward(self, x):
-        if not self.training:
-            return super().forward(x)
-        c, xf = x.shape[1], x.float()
-        count = xf.new_full((1,), x.numel() / c)
-        totals = dist_nn.all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
-        n = totals[-1]
-        mean = totals[:c] / n
-        var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0
-        with torch.no_grad():
-            self.num_batches_tracked += 1
-            weight = 1 / self.num_batches_tracked.item() if self.momentum is None else self.momentum  # a plain average
-            self.running_mean.lerp_(mean, weight)
-            self.running_var.lerp_(var * n / (n - 1), weight)
-        scale = self.weight * torch.rsqrt(var + self.eps)
-        return (xf * scale.view(1, c, 1, 1) + (self.bias - mean * scale).view(1, c, 1, 1)).to(x.dtype)
-
-
-def convert_to_cpu_sync_bn(module):
-    """Swap every BatchNorm2d for a CPUSyncBatchNorm with the same state (and state_dict keys)."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.BatchNorm2d):
-            sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum)
-            sync.load_state_dict(child.state_dict())
-            setattr(module, name, sync)
-        else:
-            convert_to_cpu_sync_bn(child)
-    return module
 
 
 if __name__ == "__main__":
