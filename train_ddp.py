@@ -57,7 +57,7 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # wh
 # Images up to this size (CIFAR, Tiny ImageNet) train whole: a random-resized crop, which may keep 8%, loses them.
 SMALL_IMAGE_MAX_SIZE = 64
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
-BN_IMAGES = 8192  # recalibrate_batch_norm's images over all ranks, at most the train set: precise BN's count
+BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks, at most the train set: precise BN's count
 
 
 def main(argv=None):
