@@ -343,11 +343,11 @@ assert abs(e['val_acc1'] - t['val_acc1']) <= 100 / $val, (e, t)  # cudnn may pic
 # goes on from the next step. ($0 of the inline script is the step's log.)  [20, 15]
 sigterm_after_step_20='"$@" & for _ in $(seq 900); do grep -q "step 20/" "$0" && break; sleep 0.1; done
 kill -TERM $!; wait $!'
-step sigterm 90 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
+step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
     --epochs 1 --log-every 1 --checkpoint-dir "$work/sigterm"
 verify sigterm "assert 'continue with --resume' in log('sigterm'), 'no checkpoint line'
 c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c['epoch'], c['step'])"
-step sigterm_resume 90 "${train[@]}" "${long[@]}" --epochs 1 --checkpoint-dir "$work/sigterm" \
+step sigterm_resume 120 "${train[@]}" "${long[@]}" --epochs 1 --checkpoint-dir "$work/sigterm" \
     --resume "$work/sigterm/last.pt"
 verify sigterm_resume "import re; stopped = re.search(r'SIGTERM at epoch 1 step (\d+)/', log('sigterm'))[1]
 assert f'at epoch 1 step {stopped}' in log('sigterm_resume') and ck('sigterm/last.pt')['epoch'] == 1"
