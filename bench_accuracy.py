@@ -1,6 +1,6 @@
 """Final accuracy on a small real data set, with and without the batch-norm recalibration, side by side.
 
-    python bench_accuracy.py                          # 3 seeds, 10 epochs: about 12 min on 2 cores
+    python bench_accuracy.py                          # 3 seeds, 10 epochs: about 9 min on 2 cores
     python bench_accuracy.py --seeds 0 1 --epochs 5   # quicker
 
 The data is scikit-learn's handwritten digits (1,797 gray 8 x 8 images of 0..16, shipped with the package: nothing is

@@ -163,7 +163,8 @@ def synthetic_batches(args, device):
     to_input, batches = ModelInput(args, device), []
     for k in range(8):
         pairs = [images[first + k * args.batch + i] for i in range(args.batch)]
-        batches.append(to_input(torch.stack([image for image, _ in pairs]), torch.tensor([label for _, label in pairs])))
+        images_and_labels = torch.stack([image for image, _ in pairs]), torch.tensor([label for _, label in pairs])
+        batches.append(to_input(*images_and_labels))
     return batches
 
 

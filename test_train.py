@@ -193,8 +193,11 @@ CHECK_SYNCS = ["--arch", "resnet18", "--train-samples", "192", "--val-samples", 
                "--log-every", "4", "--workers", "1"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--accum-steps", "2", "--amp", "bf16", "--channels-last", "--sync-bn",
-                                        "--comm-hook", "powersgd", "--warmup-epochs", "0"]], ids=["plain", "everything"])
+EVERYTHING = ["--accum-steps", "2", "--amp", "bf16", "--channels-last", "--sync-bn", "--comm-hook", "powersgd",
+              "--warmup-epochs", "0"]
+
+
+@pytest.mark.parametrize("extra", [[], EVERYTHING], ids=["plain", "everything"])
 def test_no_host_waits_between_log_lines(tmp_path, extra):
     # check_syncs.py runs train_ddp.py under a TorchDispatchMode that sees every operator which on a GPU would make
     # the host wait (a value read on the host, a tensor made from host data) between two log lines: there must be none
