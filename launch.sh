@@ -5,9 +5,12 @@
 #
 # Environment (all optional):
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT  run on NNODES machines; start this on each, NODE_RANK 0..NNODES-1
+#   NNODES=MIN:MAX elastic: MIN to MAX nodes, which may leave and join; no NODE_RANK, RUN_ID needed
 #   INIT_TIMEOUT   seconds the nodes wait for each other (default 60)
-#   MAX_RESTARTS   restart failed workers this often; train_ddp.py then resumes from its last.pt (default 0)
-#   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); a restart resumes
+#   LAST_CALL      elastic: seconds to wait for more nodes once MIN are there (default 30)
+#   MAX_RESTARTS   restart failed workers this often; train_ddp.py then resumes from its last.pt (default 0;
+#                  elastic 3; a node that joins restarts them too, without counting)
+#   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); train_ddp.py resumes
 #                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
 #   OMP_NUM_THREADS  default: CPU cores / N, at least 1
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING  default 2: an NCCL timeout raises rather than kills (below)
@@ -48,8 +51,13 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # worker or port exists.
 LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
 
+restarts=${MAX_RESTARTS:-0}
 if [[ -n ${NNODES:-} ]]; then
-    : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
+    if [[ ! $NNODES =~ ^([1-9][0-9]*)(:([1-9][0-9]*))?$ ]] || (( ${BASH_REMATCH[3]:-$NNODES} < BASH_REMATCH[1] )); then
+        echo "launch.sh: error: NNODES must be a number of nodes N or a range MIN:MAX, 1 <= MIN <= MAX; got '$NNODES'" >&2
+        exit 2
+    fi
+    : "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
     # gloo finds its address from the hostname, which often resolves to 127.0.1.1: unless set, both backends
     # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it).
     if [[ -z ${GLOO_SOCKET_IFNAME:-} ]] && command -v ip >/dev/null; then
@@ -62,22 +70,38 @@ if [[ -n ${NNODES:-} ]]; then
         [[ -n $dev ]] || dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
         if [[ -n $dev && $dev != lo ]]; then
             export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
+            here_addr=$(ip -o -4 addr show dev "$dev" | awk '{sub("/.*", "", $4); print $4; exit}')
             echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" \
                 "(reaches MASTER_ADDR $addr)" >&2
         else  # no route, or MASTER_ADDR is node 0's own name, mapped to loopback by its /etc/hosts
             echo "launch.sh: only loopback reaches MASTER_ADDR $addr: set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME" >&2
         fi
     fi
-    rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
-                --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}"
-                --rdzv-id "${RUN_ID:-${SLURM_JOB_ID:-none}}")
+    if [[ $NNODES == *:* ]]; then
+        # torchrun's c10d rendezvous, hosted by MASTER_ADDR's launcher, which must stay; every round's rank 0 hosts
+        # its workers' store (not the first round's, which may be gone), at this node's address.
+        if [[ -z ${RUN_ID:-${SLURM_JOB_ID:-}} ]]; then
+            echo "launch.sh: error: NNODES=$NNODES needs RUN_ID: one id for the job, the same on every node" >&2
+            exit 2
+        fi
+        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        restarts=${MAX_RESTARTS:-3}
+        rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
+                    --rdzv-conf "timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}"
+                    --rdzv-id "${RUN_ID:-$SLURM_JOB_ID}" ${here_addr:+--local-addr "$here_addr"})
+    else
+        : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
+        rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
+                    --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}"
+                    --rdzv-id "${RUN_ID:-${SLURM_JOB_ID:-none}}")
+    fi
 else
     # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
     rendezvous=(--standalone)
 fi
 # torchrun as `python3 -m`: the python3 of the dry run, whatever torchrun comes first on PATH.
 (trap '' TERM; PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec python3 -m torch.distributed.run \
-    "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "${MAX_RESTARTS:-0}" "$here/train_ddp.py" "$@") &
+    "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "$restarts" "$here/train_ddp.py" "$@") &
 torchrun_pid=$!
 if (( stopping )); then forward; fi  # a signal that came before torchrun had a pid
 status=0

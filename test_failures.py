@@ -272,6 +272,38 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, uninte
     resume_and_compare(tmp_path, uninterrupted)
 
 
+def test_save_every_loses_at_most_those_steps_to_a_kill(tmp_path, uninterrupted):
+    # --save-every 5: the job SIGKILLed in epoch 2 after the save of its step 5 resumes there, to the weights of a run
+    # never interrupted (the saves, written on a thread of their own, change nothing in training).
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path), "--save-every", "5"], tmp_path)
+    wait_for(lambda: "epoch 2/2 step 8/16" in stdout(job), job, "step 8 of epoch 2", interval=0.01)
+    kill_tree(job)
+    job.wait()
+    saved = load(tmp_path / "last.pt")
+    assert (saved["epoch"], saved["step"], saved["samples"]) == (1, 5, 5 * 16), {k: saved[k] for k in ["epoch", "step"]}
+    resume_and_compare(tmp_path, uninterrupted)
+
+
+def test_a_save_slower_than_torchruns_grace_is_never_half_written(tmp_path):
+    # Plain torchrun passes a SIGTERM on to its workers and kills them --shutdown-timeout later (default 30 s): here
+    # 1 s, less than writing ResNet-50's checkpoint, saved at every step. The write is cut, last.pt stays whole.
+    args = ["--arch", "resnet50", "--train-samples", "512", "--val-samples", "16", "--batch-size", "8", "--epochs", "1",
+            "--save-every", "1", "--checkpoint-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--shutdown-timeout", "1", TRAIN, *args]
+    job = start_logged(cmd, subdir(tmp_path / "log"))
+    wait_for(lambda: (tmp_path / "last.pt").exists() and (tmp_path / "last.pt.tmp").exists(), job,
+             "a checkpoint and the next being written", interval=0.01)
+    job.send_signal(signal.SIGTERM)
+    wait_exit(job, 60)
+    assert "forcefully exiting via 9" in stderr(job), stderr(job)[-3000:]  # the grace ran out
+    assert (tmp_path / "last.pt.tmp").exists()  # a write was cut short
+    saved = load(tmp_path / "last.pt")
+    assert train_ddp.CHECKPOINT_KEYS <= saved.keys() and saved["step"] >= 1
+    resumed = ok(run(torchrun(2, *args, "--save-every", "1000", "--resume", tmp_path / "last.pt")))
+    assert f"at epoch 1 step {saved['step']}" in resumed.stdout
+
+
 # ---------------------------------------------------------------- 5. ports
 def test_port_29500_taken_and_two_jobs_at_once(tmp_path):
     blocker = socket.socket()

@@ -5,6 +5,7 @@ one). Without root or `ip netns` they skip; in CI (CI=true) they fail.
 Every run has a hard timeout, and every host's processes are killed when its test ends.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,13 +52,19 @@ class Job:
     def __init__(self, on, folder, command, env=None, per_host=None):
         folder.mkdir(exist_ok=True)
         self.on, self.dir, self.began = on, folder, time.monotonic()
-        self.procs = []
-        for i in range(len(on.names)):
-            env_i = clean_env(NNODES=len(on.names), NODE_RANK=i, MASTER_ADDR=on.address(0), MASTER_PORT=PORT,
-                              **(env or {}))
-            out, err = open(self.path(i, "out"), "w"), open(self.path(i, "err"), "w")
-            self.procs.append(on.start(i, [*command(i), *(per_host or {}).get(i, [])], env_i, stdout=out, stderr=err,
-                                       cwd=os.path.dirname(TRAIN)))
+        self.command, self.env, self.per_host = command, env or {}, per_host or {}
+        self.procs = [self.start(i, "w") for i in range(len(on.names))]
+
+    def start(self, i, mode):
+        env = clean_env(**{"NNODES": len(self.on.names), "NODE_RANK": i, "MASTER_ADDR": self.on.address(0),
+                           "MASTER_PORT": PORT, **self.env})
+        out, err = open(self.path(i, "out"), mode), open(self.path(i, "err"), mode)
+        return self.on.start(i, [*self.command(i), *self.per_host.get(i, [])], env, stdout=out, stderr=err,
+                             cwd=os.path.dirname(TRAIN))
+
+    def restart(self, i):
+        """Host i's launcher again, as a node that comes back; its output goes on in the same files."""
+        self.procs[i] = self.start(i, "a")
 
     def path(self, i, stream):
         return self.dir / f"host{i}.{stream}"
@@ -68,9 +75,9 @@ class Job:
     def err(self, i):
         return self.path(i, "err").read_text()
 
-    def wait_for(self, text, host=0, timeout=120):
-        while text not in self.out(host):
-            if time.monotonic() - self.began > timeout or any(p.poll() is not None for p in self.procs):
+    def wait_for(self, text, host=0, timeout=120, count=1):
+        while self.out(host).count(text) < count:
+            if time.monotonic() - self.began > timeout or self.procs[host].poll() is not None:
                 pytest.fail(f"never saw {text!r}\n{self.report()}")
             time.sleep(0.05)
 
@@ -151,6 +158,52 @@ def test_restart_across_hosts_resumes_from_the_jobs_checkpoint(tmp_path, one_hos
         assert job.wait(180) == [0, 0], job.report()
         assert f"resumed from {tmp_path / 'last.pt'} at epoch 2 step 0" in job.out(0), job.report()
     assert_same_weights(load(tmp_path / "last.pt")["model"], weights)
+
+
+# ---------------------------------------------------------------- elastic: hosts that leave and come back
+ELASTIC = {"RUN_ID": "elastic-job", "LAST_CALL": 2}  # 2 s for more hosts once the fewest are there
+
+
+def resumes(out):
+    """(epoch, step, images done) of each resume at another world size, and the world size it went on at."""
+    found = re.findall(r"resumed from \S+ at epoch (\d+) step (\d+); with batch 8 x 1 x (\d) \(was 8 x 1 x \d; "
+                       r"(\d+) images of the epoch done\)", out)
+    return [tuple(map(int, resume)) for resume in found]
+
+
+def test_an_elastic_job_that_loses_a_host_finishes_on_the_other(tmp_path, one_host):
+    # NNODES=1:2: host 1 is killed mid-epoch 2. Host 0's worker fails with it, torchrun restarts it alone, and it
+    # resumes from the last --save-every checkpoint at world size 1, after the images the two had trained.
+    _, records = one_host
+    args = [*FAST, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl", "--save-every", "3"]
+    with hosts.Hosts(2) as on:
+        job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "1:2", **ELASTIC})
+        job.wait_for("epoch 2/2 step 8/16")  # the save at step 6 is complete: the log line's all-reduce came after
+        on.kill(1)
+        assert job.wait(180)[0] == 0, job.report()
+    ((epoch, step, world, images),) = resumes(job.out(0))
+    # Lost: fewer than 3 steps of those done; the rest of the epoch at 1 rank, each image once (test_remaining_shard).
+    assert (epoch, world) == (2, 1) and step % 3 == 0 and step >= 6 and images == step * 16, job.report()
+    assert f"epoch 2/2 step {2 * step + 4 - 2 * step % 4}/32 " in job.out(0)  # logged every 4 steps
+    assert load(tmp_path / "ck" / "last.pt")["world_size"] == 1
+    final = metrics(tmp_path / "m.jsonl")[-1]
+    assert final["epoch"] == 2 and abs(final["val_acc1"] - records[1]["val_acc1"]) <= 15, (final, records[1])
+
+
+def test_an_elastic_job_takes_a_host_back_when_it_returns(tmp_path):
+    # NNODES=2:3: host 2 is killed, the other two go on from the last checkpoint; then host 2's launcher starts again,
+    # its node joins, torchrun stops the two (SIGTERM: they save at once) and all three go on from there.
+    args = [*FAST, "--epochs", "3", "--checkpoint-dir", tmp_path / "ck", "--save-every", "3"]
+    with hosts.Hosts(3) as on:
+        job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "2:3", **ELASTIC})
+        job.wait_for("epoch 1/3 step 8/10")
+        on.kill(2)
+        job.wait_for("resumed from")
+        job.restart(2)
+        assert job.wait(240) == [0, 0, 0], job.report()
+    (epoch, _, world, images), (epoch_back, _, world_back, images_back) = resumes(job.out(0))
+    assert (world, world_back) == (2, 3) and (epoch, images) < (epoch_back, images_back), job.report()
+    assert "stopped by SIGTERM" in job.out(0) and load(tmp_path / "ck" / "last.pt")["world_size"] == 3
 
 
 # ---------------------------------------------------------------- what goes wrong between hosts

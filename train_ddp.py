@@ -25,8 +25,9 @@ import os
 import sys
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -108,6 +109,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
     p.add_argument("--checkpoint-dir", default="checkpoints", help="where rank 0 writes last.pt")
+    p.add_argument("--save-every", type=int, help="also write last.pt every N optimizer steps (default: at epoch ends)")
     p.add_argument("--resume", help="checkpoint to continue from")
     p.add_argument("--evaluate", action="store_true", help="validate the --resume checkpoint or --weights, then exit")
     p.add_argument("--metrics-file", help="rank 0 appends one JSON line per epoch here")
@@ -155,16 +157,19 @@ def load_checkpoint(args):
 
 
 def resume_path(args):
-    """--resume, except after a torchrun restart (MAX_RESTARTS): then this job's own last.pt, once it has one."""
-    last = last_checkpoint(args)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and last.exists():
+    """--resume, unless this torchrun job (its run id) has written a last.pt: then that one, which a restart
+    (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX) as well."""
+    last, job = last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    # torchrun's default id, "none", is every job's: only a restart may take a last.pt of that id for its own.
+    if last.exists() and not args.evaluate and (restarted or job not in (None, "none")):
         try:  # a last.pt that an earlier job left in the same directory must not pass for this job's
             run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("run_id")
         except Exception:  # unreadable: not this job's, which writes atomically
             run_id = None
-        if run_id == os.environ.get("TORCHELASTIC_RUN_ID"):
+        if run_id == job:
             return last
-        if world_from_env()[0] == 0:
+        if restarted and world_from_env()[0] == 0:
             say(f"restart: ignoring {last}, written by another job (run id {run_id})")
     return Path(args.resume) if args.resume else None
 
@@ -228,9 +233,11 @@ def init_distributed(args, device):
     timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        # torchrun keeps one store across restarts (MAX_RESTARTS), with the last attempt's keys in it: without a
-        # prefix per attempt a restart hangs or fails to connect (test_max_restarts_resumes_by_itself).
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+        # Workers that share torchrun's own store keep it across restarts (MAX_RESTARTS), with the last attempt's keys
+        # in it: without a prefix per attempt a restart hangs (test_max_restarts_resumes_by_itself). Not so in an
+        # elastic job of launch.sh: a new store each round, and a node that joins has counted no restarts.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bind)
         dist.barrier()
         gather_utils.all_gather_object(None)  # on GPUs, the gloo backend's first collective: its problems show now
@@ -265,23 +272,26 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         metrics = validate(model.to(device, memory_format=memory_format(args)), val_set, args, to_input)
         append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
         return log(json.dumps(metrics))
-    warmup_steps = round(args.warmup_epochs * steps)  # the lr warm-up, and PowerSGD's plain start
+    warmup_steps = round(args.warmup_epochs * steps)  # PowerSGD's plain start
     model = wrap_ddp(model, args, device, warmup_steps)
     optimizer, scaler = build_optimizer(model, args)
-    epoch, step = 0, 0
+    epoch, samples = 0, 0
     if checkpoint:
-        epoch, step = restore_training_state(checkpoint, optimizer, scaler, args)
-        log(f"resumed from {resume_from} at epoch {epoch + 1} step {step}{changed_settings(checkpoint, args)}")
+        epoch, samples = restore_training_state(checkpoint, optimizer, scaler, args)
+        log(f"resumed from {resume_from} at epoch {epoch + 1} step {checkpoint['step']}"
+            f"{changed_settings(checkpoint, args, samples)}")
         checkpoint.clear()  # the model and optimizer have what they need: free the rest (main() holds the dict)
-    scheduler = build_scheduler(optimizer, args, steps, warmup_steps, epoch * steps + step)
     start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "") if args.weights else ""
     start += ", compiled (the first step compiles, which takes a while)" if args.compile else ""
     recipe = " > ".join(type(t).__name__ for t in train_set.transform.transforms) if args.data else "synthetic data"
     log(f"{args.arch}{start} on {dist.get_world_size()} x {device.type} ({args.backend}), "
         f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {recipe}, "
         f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
-    run = Training(model, optimizer, scheduler, scaler, steps_per_epoch=steps, epoch=epoch, step=step)
-    fit(run, train_set, val_set, args, to_input, stop)
+    run = Training(model, optimizer, scaler, steps_per_epoch=steps, epoch=epoch, samples=samples)
+    try:
+        fit(run, train_set, val_set, args, to_input, stop)
+    finally:
+        wait_for_write(run, args)  # the last checkpoint complete before this rank leaves
 
 
 # ---------------------------------------------------------------- 4. data
@@ -457,32 +467,30 @@ def build_optimizer(model, args):
     return optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
 
-def build_scheduler(optimizer, args, steps_per_epoch, warmup_steps, steps_done):
-    """Linear warm-up, then cosine decay, per optimizer step, placed after `steps_done` steps (not loaded from the
-    checkpoint, whose count of steps of another layout would put the cosine out of step)."""
-    total_steps = args.epochs * steps_per_epoch
-
-    def warmup_cosine(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1 + math.cos(math.pi * progress))
-
-    # A resumed optimizer carries each group's initial_lr, which LambdaLR needs to start mid-way.
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine, last_epoch=steps_done - 1)
+def learning_rate(run, args, images_per_step):
+    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at --epochs. Placed by the
+    images trained, not the steps, so that a resume at another world size or batch goes on along the same curve."""
+    epochs_done = run.epoch + run.samples / (run.steps_per_epoch * images_per_step)
+    if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
+        return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
+    progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ---------------------------------------------------------------- 6. train and validate
 @dataclass
 class Training:
-    """What the training loop carries from step to step; a checkpoint saves all but scheduler and steps_per_epoch."""
+    """What the training loop carries from step to step; a checkpoint saves all but steps_per_epoch and writer."""
     model: DDP
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler  # disabled unless --amp fp16
-    steps_per_epoch: int
+    steps_per_epoch: int  # at this world size and batch
     epoch: int = 0  # where training stands: in epoch `epoch` (0-based),
-    step: int = 0  # after `step` of its optimizer steps
+    samples: int = 0  # after the first `samples` images of its order (over all ranks, at any world size and batch),
+    step: int = 0  # which is after `step` optimizer steps at this world size and batch
+    # Rank 0 writes the checkpoints on a thread of its own, while training goes on; an exit waits for the last.
+    writer: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "checkpoint writer"))
+    written: Future = None
 
 
 def fit(run, train_set, val_set, args, to_input, stop):
@@ -493,10 +501,7 @@ def fit(run, train_set, val_set, args, to_input, stop):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Its own generator seeds the workers: a loader must not draw from the global RNG, which a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        # This rank's shard, less the steps a resume has done, cut to whole optimizer steps: equal on every rank.
-        per_step = args.batch_size * args.accum_steps
-        shard = list(sampler)[run.step * per_step: run.steps_per_epoch * per_step]
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=remaining_shard(sampler, run, args),
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda", drop_last=True,
                             generator=torch.Generator().manual_seed(worker_seed))
         train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)
@@ -505,7 +510,7 @@ def fit(run, train_set, val_set, args, to_input, stop):
             log(f"stopped by SIGTERM at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}; "
                 f"continue with --resume {last_checkpoint(args)}")
             return
-        run.epoch, run.step = epoch + 1, 0
+        run.epoch, run.samples, run.step = epoch + 1, 0, 0
         recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
         # Saved before validating: a SIGTERM or a kill during a long validation loses no training.
         checksums = save_checkpoint(run, args)
@@ -521,13 +526,27 @@ def fit(run, train_set, val_set, args, to_input, stop):
             return
 
 
+def remaining_shard(sampler, run, args):
+    """This rank's indices for the rest of the epoch, cut to whole optimizer steps, as many on every rank; sets
+    run.step. DistributedSampler deals the epoch's one shuffled order out in turn, rank r taking entries r, r + world,
+    ...: the run.samples trained before a resume, at any world size and batch, are the order's first ones. Each rank
+    skips its share of them: every other image comes once, but for a tail shorter than one step, which is dropped."""
+    world, rank, per_step = sampler.num_replicas, sampler.rank, args.batch_size * args.accum_steps
+    skip = -(-(run.samples - rank) // world)  # this rank's entries before position run.samples (ceil division)
+    steps_left = max(0, len(sampler) - -(-run.samples // world)) // per_step  # rank 0's: it skips the most
+    run.step = run.steps_per_epoch - steps_left
+    return list(sampler)[skip: skip + steps_left * per_step]
+
+
 def train_one_epoch(run, loader, args, to_input, stop):
     """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM. Returns the loss, the share of
     time spent waiting for data and the images/s of all ranks, averaged over ranks, and whether to stop. Between log
     lines nothing makes the host wait for the GPU (check_syncs.py)."""
+    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
+    if run.step == run.steps_per_epoch:  # resumed at a larger step, with less than one left in the epoch
+        return {"train_loss": math.nan, "data_wait": 0.0, "images_per_sec": 0.0}, False
     run.model.train()
     autocast = amp_context(args, to_input.device)
-    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
     batches, loss_sum = iter(loader), torch.zeros((), device=to_input.device)
     # (step, time, seconds waited for data, on the host: a GPU busy with queued steps is not idle), then at each line
     marks = [(run.step, synced_clock(to_input.device), 0.0)]
@@ -551,11 +570,13 @@ def train_one_epoch(run, loader, args, to_input, stop):
                 run.scaler.scale(loss / args.accum_steps).backward()
             # Detached: reducing the live loss would put the collective into the autograd graph.
             step_loss += loss.detach() / args.accum_steps
+        lr = learning_rate(run, args, images_per_step)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step()
-        run.step += 1
+        run.step, run.samples = run.step + 1, run.samples + images_per_step
         loss_sum += step_loss
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
             (line_step, line_began, line_waited), now = marks[-1], synced_clock(to_input.device)
@@ -567,9 +588,11 @@ def train_one_epoch(run, loader, args, to_input, stop):
             rate = (run.step - line_step) * images_per_step / (now - line_began)
             total, done = args.epochs * run.steps_per_epoch, run.epoch * run.steps_per_epoch + run.step
             log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} ({done}/{total}) loss "
-                f"{mean['loss']:.4f} lr {run.scheduler.get_last_lr()[0]:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
+                f"{mean['loss']:.4f} lr {lr:.4g} {rate:.1f} img/s data {mean['data']:.0%} "
                 f"eta {datetime.timedelta(seconds=round((total - done) * images_per_step / rate))}")
             marks.append((run.step, now, waited))
+        if args.save_every and run.step % args.save_every == 0 and run.step < run.steps_per_epoch:
+            save_checkpoint(run, args)  # the epoch's end saves anyway
     # images/s from the first log line on (before it: the warm-up, any compilation), unless it was the last one
     (first_step, began, _), (timed_step, timed, _) = marks[0], marks[1 if len(marks) > 2 else 0]
     stats = {"train_loss": loss_sum / (run.step - first_step), "data_wait": waited / (marks[-1][1] - began),
@@ -677,26 +700,50 @@ def append_metrics(args, record):
 
 # ---------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
-    """Rank 0 writes last.pt atomically: a kill mid-write leaves the previous file intact. Returns replica_checksums."""
+    """Rank 0 hands a copy of the training state to its writer thread, which writes last.pt while training goes on.
+    Returns replica_checksums."""
     checksums = replica_checksums(run, args)
     # Each rank's random stream, which a resume continues.
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(),
                                           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
     if dist.get_rank() == 0:
         state = {"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict(),
-                 "scaler": run.scaler.state_dict(), "epoch": run.epoch, "step": run.step,
+                 "scaler": run.scaler.state_dict(), "epoch": run.epoch, "samples": run.samples, "step": run.step,
                  "world_size": dist.get_world_size(), "args": vars(args), "rng": rng,
                  "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
-        path = last_checkpoint(args)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    dist.barrier()  # no rank goes on, or exits, before the checkpoint is complete
+        wait_for_write(run, args)  # one write at a time
+        run.written = run.writer.submit(write_atomically, on_host(state), last_checkpoint(args))
     return checksums
+
+
+def on_host(value):
+    """A copy in host memory of the tensors in nested dicts and lists, which training goes on changing in place."""
+    if isinstance(value, dict):
+        return {key: on_host(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [on_host(item) for item in value]
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def write_atomically(state, path):
+    """To last.pt.tmp, flushed and fsynced, then renamed over last.pt: a kill at any moment leaves the old file or the
+    new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def wait_for_write(run, args):
+    """Rank 0's last checkpoint write done; one that failed (a full disk) stops this rank with one line."""
+    try:
+        if run.written is not None:
+            run.written.result()
+    except Exception as e:
+        rank_error(f"could not write {last_checkpoint(args)} ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
 
 
 def last_checkpoint(args):
@@ -704,11 +751,11 @@ def last_checkpoint(args):
 
 
 def restore_training_state(checkpoint, optimizer, scaler, args):
-    """Returns the (epoch, step) to continue at; the model weights were loaded before DDP wrapped them."""
+    """Returns the (epoch, images of it trained) to continue at; the model was loaded before DDP wrapped it."""
     optimizer.load_state_dict(checkpoint["optimizer"])
-    # The loaded state carries the old run's settings (initial_lr is what the schedule scales): this run's win.
+    # The loaded state carries the old run's settings: this run's win (learning_rate sets lr at every step).
     for group in optimizer.param_groups:
-        group.update(lr=args.lr, initial_lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        group.update(momentum=args.momentum, weight_decay=args.weight_decay)
     if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler starts from its defaults
         scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
@@ -716,16 +763,18 @@ def restore_training_state(checkpoint, optimizer, scaler, args):
         torch.set_rng_state(rng[dist.get_rank()]["torch"])
         if torch.cuda.is_available() and rng[dist.get_rank()]["cuda"] is not None:
             torch.cuda.set_rng_state(rng[dist.get_rank()]["cuda"])
-    # A step within the epoch names the same images only with the same shards and batches.
-    saved = checkpoint["world_size"], checkpoint["args"]["batch_size"], checkpoint["args"]["accum_steps"]
-    same_layout = saved == (dist.get_world_size(), args.batch_size, args.accum_steps)
-    return checkpoint["epoch"], checkpoint["step"] if same_layout else 0
+    # Checkpoints before 2026-12-04 count the steps only, at the world size and batch that wrote them.
+    per_step = checkpoint["world_size"] * checkpoint["args"]["batch_size"] * checkpoint["args"]["accum_steps"]
+    return checkpoint["epoch"], checkpoint.get("samples", checkpoint["step"] * per_step)
 
 
-def changed_settings(checkpoint, args):
-    """For the resume line: the optimizer settings that this run changes, which it then trains with."""
-    changed = [f"--{name.replace('_', '-')} {getattr(args, name):g} (was {checkpoint['args'][name]:g})"
-               for name in ["lr", "momentum", "weight_decay"] if getattr(args, name) != checkpoint["args"][name]]
+def changed_settings(checkpoint, args, samples):
+    """For the resume line: what this run changes, and then trains with: the batch over all ranks, the optimizer's."""
+    saved = f"{checkpoint['args']['batch_size']} x {checkpoint['args']['accum_steps']} x {checkpoint['world_size']}"
+    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
+    changed = [] if now == saved else [f"batch {now} (was {saved}; {samples} images of the epoch done)"]
+    changed += [f"--{name.replace('_', '-')} {getattr(args, name):g} (was {checkpoint['args'][name]:g})"
+                for name in ["lr", "momentum", "weight_decay"] if getattr(args, name) != checkpoint["args"][name]]
     return f"; with {', '.join(changed)}" if changed else ""
 
 
@@ -763,6 +812,8 @@ def check_args(args):
     for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples", "image_size", "log_every"]:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.save_every is not None and args.save_every < 1:
+        fail(f"--save-every must be a positive number of optimizer steps, got {args.save_every}")
     if args.num_classes < 2:
         fail(f"--num-classes must be at least 2, got {args.num_classes}")
     if args.workers < 0:
