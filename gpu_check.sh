@@ -339,12 +339,12 @@ verify evaluate "e, = m('evaluate.jsonl'); t = m('train_fp32.jsonl')[-1]
 assert e['epoch'] == 3 and e['val_samples'] == $val, e
 assert abs(e['val_acc1'] - t['val_acc1']) <= 100 / $val, (e, t)  # cudnn may pick other kernels: one image at most"
 
-# SIGTERM mid-epoch to a one-process run: it saves last.pt at the step it reached and exits 0; the resumed run
-# goes on from the next step. ($0 of the inline script is the step's log.)  [20, 15]
+# SIGTERM mid-epoch to a one-process run that also saves every 10 steps (the copy from the GPU, the writer thread):
+# it saves last.pt at the step it reached and exits 0; the resumed run goes on from the next step. ($0 of the inline script is the step's log.)  [20, 15]
 sigterm_after_step_20='"$@" & for _ in $(seq 900); do grep -q "step 20/" "$0" && break; sleep 0.1; done
 kill -TERM $!; wait $!'
 step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
-    --epochs 1 --log-every 1 --checkpoint-dir "$work/sigterm"
+    --epochs 1 --log-every 1 --save-every 10 --checkpoint-dir "$work/sigterm"
 verify sigterm "assert 'continue with --resume' in log('sigterm'), 'no checkpoint line'
 c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c['epoch'], c['step'])"
 step sigterm_resume 120 "${train[@]}" "${long[@]}" --epochs 1 --checkpoint-dir "$work/sigterm" \

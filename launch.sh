@@ -8,8 +8,7 @@
 #   NNODES=MIN:MAX elastic: MIN to MAX nodes, which may leave and join; no NODE_RANK, RUN_ID needed
 #   INIT_TIMEOUT   seconds the nodes wait for each other (default 60)
 #   LAST_CALL      elastic: seconds to wait for more nodes once MIN are there (default 30)
-#   MAX_RESTARTS   restart failed workers this often; train_ddp.py then resumes from its last.pt (default 0;
-#                  elastic 3; a node that joins restarts them too, without counting)
+#   MAX_RESTARTS   restart failed workers this often (default 0, elastic 3); they resume from the job's last.pt
 #   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); train_ddp.py resumes
 #                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
 #   OMP_NUM_THREADS  default: CPU cores / N, at least 1
@@ -39,6 +38,16 @@ if [[ ! $n =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 shift
+if [[ -n ${NNODES:-} ]]; then
+    if [[ ! $NNODES =~ ^([1-9][0-9]*)(:([1-9][0-9]*))?$ ]] || (( ${BASH_REMATCH[3]:-$NNODES} < BASH_REMATCH[1] )); then
+        echo "launch.sh: error: NNODES must be a number of nodes N or a range MIN:MAX," \
+            "1 <= MIN <= MAX; got '$NNODES'" >&2
+        exit 2
+    elif [[ $NNODES == *:* && -z ${RUN_ID:-${SLURM_JOB_ID:-}} ]]; then
+        echo "launch.sh: error: NNODES=$NNODES needs RUN_ID: one id for the job, the same on every node" >&2
+        exit 2
+    fi
+fi
 
 cores=$(getconf _NPROCESSORS_ONLN)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
@@ -53,10 +62,6 @@ LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
 
 restarts=${MAX_RESTARTS:-0}
 if [[ -n ${NNODES:-} ]]; then
-    if [[ ! $NNODES =~ ^([1-9][0-9]*)(:([1-9][0-9]*))?$ ]] || (( ${BASH_REMATCH[3]:-$NNODES} < BASH_REMATCH[1] )); then
-        echo "launch.sh: error: NNODES must be a number of nodes N or a range MIN:MAX, 1 <= MIN <= MAX; got '$NNODES'" >&2
-        exit 2
-    fi
     : "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
     # gloo finds its address from the hostname, which often resolves to 127.0.1.1: unless set, both backends
     # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it).
@@ -80,10 +85,6 @@ if [[ -n ${NNODES:-} ]]; then
     if [[ $NNODES == *:* ]]; then
         # torchrun's c10d rendezvous, hosted by MASTER_ADDR's launcher, which must stay; every round's rank 0 hosts
         # its workers' store (not the first round's, which may be gone), at this node's address.
-        if [[ -z ${RUN_ID:-${SLURM_JOB_ID:-}} ]]; then
-            echo "launch.sh: error: NNODES=$NNODES needs RUN_ID: one id for the job, the same on every node" >&2
-            exit 2
-        fi
         export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
         restarts=${MAX_RESTARTS:-3}
         rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"

@@ -6,11 +6,9 @@ Every run has a hard timeout, and every host's processes are killed when its tes
 """
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -95,17 +93,6 @@ class Job:
         return "\n".join(f"--- host{i}\n{self.out(i)[-1500:]}\n{self.err(i)[-2500:]}" for i in range(len(self.procs)))
 
 
-def worker(on, i):
-    """The training process on host i: torchrun's worker, which has LOCAL_RANK in its environment."""
-    for pid in on.pids(i):
-        try:
-            if b"LOCAL_RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                return pid
-        except OSError:
-            pass
-    raise AssertionError(f"no worker on host {i}")
-
-
 def launch_sh(*args):
     return lambda i: ["bash", LAUNCH, "1", *args]
 
@@ -146,26 +133,12 @@ def test_two_hosts_train_resume_and_evaluate_as_one_host_does(tmp_path, one_host
     assert [r["train_loss"] for r in metrics(tmp_path / "m.jsonl")[:2]] == [r["train_loss"] for r in records]
 
 
-def test_restart_across_hosts_resumes_from_the_jobs_checkpoint(tmp_path, one_host):
-    # A worker on host 1 killed mid-epoch 2: host 0's worker fails with it, both launchers restart their workers
-    # (MAX_RESTARTS=1), they meet again and resume from the job's own last.pt (RUN_ID, the same on both hosts).
-    weights, _ = one_host
-    with hosts.Hosts(2) as on:
-        job = Job(on, tmp_path, launch_sh(*FAST, "--checkpoint-dir", tmp_path), env={"MAX_RESTARTS": 1,
-                                                                                   "RUN_ID": "job-1"})
-        job.wait_for("epoch 2/2 step 4/16")
-        os.kill(worker(on, 1), signal.SIGKILL)
-        assert job.wait(180) == [0, 0], job.report()
-        assert f"resumed from {tmp_path / 'last.pt'} at epoch 2 step 0" in job.out(0), job.report()
-    assert_same_weights(load(tmp_path / "last.pt")["model"], weights)
-
-
 # ---------------------------------------------------------------- elastic: hosts that leave and come back
 ELASTIC = {"RUN_ID": "elastic-job", "LAST_CALL": 2}  # 2 s for more hosts once the fewest are there
 
 
 def resumes(out):
-    """(epoch, step, images done) of each resume at another world size, and the world size it went on at."""
+    """(epoch, step, the world size it went on at, images of the epoch done) of each resume at another world size."""
     found = re.findall(r"resumed from \S+ at epoch (\d+) step (\d+); with batch 8 x 1 x (\d) \(was 8 x 1 x \d; "
                        r"(\d+) images of the epoch done\)", out)
     return [tuple(map(int, resume)) for resume in found]
@@ -237,20 +210,16 @@ def test_bad_input_on_one_host_is_said_there_and_the_other_stops(tmp_path):
            f"{on.address(0)}:{PORT}, and not all came or could connect (" in line, line
 
 
-@pytest.mark.parametrize("fault", ["link cut", "host killed"])
-def test_a_host_lost_mid_epoch_stops_the_others_and_the_job_resumes(tmp_path, one_host, fault):
-    # The link to host 1 goes down (no reset: its packets vanish), or every process on it is SIGKILLed. The rank
-    # left stops within --collective-timeout with one line; then the job resumes from last.pt, to the weights of
-    # a run never interrupted.
+def test_a_link_cut_mid_epoch_stops_the_others_and_the_job_resumes(tmp_path, one_host):
+    # The link to host 1 goes down: no reset, its packets vanish. The rank left stops within --collective-timeout
+    # with one line; then the job resumes from last.pt, to the weights of a run never interrupted. (A host killed
+    # outright closes its connections, and the others fail at once: test_an_elastic_job_that_loses_a_host_...)
     weights, _ = one_host
     args = [*FAST, "--checkpoint-dir", tmp_path / "ck", "--collective-timeout", "10"]
     with hosts.Hosts(2) as on:
         job = Job(on, tmp_path, launch_sh(*args))
         job.wait_for("epoch 2/2 step 4/16")
-        if fault == "link cut":
-            on.cut(1)
-        else:
-            on.kill(1)
+        on.cut(1)
         began = time.monotonic()
         codes = job.wait(10 + 60)
         seconds = time.monotonic() - began

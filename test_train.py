@@ -257,10 +257,10 @@ def test_parameters_identical_on_every_rank(reference):
 def test_checkpoint_loads_with_weights_only(reference):
     out, _ = reference
     checkpoint = load(out / "last.pt")
-    assert {"model", "optimizer", "scaler", "epoch", "step", "args", "rng"} <= checkpoint.keys()
-    assert "scheduler" not in checkpoint  # a resume places the schedule by the steps done: nothing to load
+    assert {"model", "optimizer", "scaler", "epoch", "samples", "step", "args", "rng"} <= checkpoint.keys()
+    assert "scheduler" not in checkpoint  # the lr is a function of the images trained: nothing to load
     assert not any(k.startswith("module.") for k in checkpoint["model"])
-    assert checkpoint["epoch"] == 2 and checkpoint["step"] == 0
+    assert (checkpoint["epoch"], checkpoint["samples"], checkpoint["step"]) == (2, 0, 0)
     assert type(checkpoint["args"]) is dict and checkpoint["args"]["arch"] == "resnet18"
     assert len(checkpoint["rng"]) == 2 and checkpoint["optimizer"]["state"]
     assert not list(out.glob("*.tmp"))
@@ -415,10 +415,10 @@ def test_resume_trains_with_this_runs_optimizer_settings(tmp_path):
                      "--momentum", "0.5", "--weight-decay", "0"]))
     assert "at epoch 2 step 0; with --lr 0.04 (was 0.02), --momentum 0.5 (was 0.9), --weight-decay 0 (was 0.0001)" \
         in result.stdout, result.stdout
-    # 8 warm-up steps of 16, then cosine: step 12 of 16 is halfway down from the new peak.
-    assert re.search(r"step 4/8 \(12/16\) loss \S+ lr 0.02 ", result.stdout), result.stdout
+    # 8 warm-up steps of 16, then cosine from the new peak: step 12 of 16 is 3/8 of the way down.
+    assert re.search(r"step 4/8 \(12/16\) loss \S+ lr 0.02765 ", result.stdout), result.stdout
     group = load(tmp_path / "last.pt")["optimizer"]["param_groups"][0]
-    assert (group["initial_lr"], group["momentum"], group["weight_decay"]) == (0.04, 0.5, 0.0)
+    assert (group["momentum"], group["weight_decay"]) == (0.5, 0.0)
 
 
 def test_fp16_hook_casts_before_it_divides():

@@ -4,8 +4,7 @@
     torchrun --standalone --nproc-per-node 4 train_ddp.py   # the same by hand
     python train_ddp.py                                     # a single process, no launcher
 
-Without --data it trains on synthetic images made in memory, so it runs anywhere. main() is the table of contents;
-the functions follow in its order, then the checks that guard the story. docs/training.md explains the flags.
+Without --data it trains on synthetic images made in memory. main() is the table of contents (docs/training.md).
 """
 import signal
 
@@ -17,7 +16,6 @@ if __name__ == "__main__":
 
 import argparse
 import datetime
-import difflib
 import hashlib
 import json
 import math
@@ -37,6 +35,7 @@ import torch.nn.functional as F
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.io import ImageReadMode, decode_image, read_file
@@ -44,8 +43,7 @@ from torchvision.transforms import v2
 
 import gather_utils
 
-# On 2 CPU cores `bash launch.sh 4` must finish in minutes; on GPUs it is a real-size ResNet-50 run. On the CPU's
-# 32 px images, 16 per rank, ResNet-50's loss jumps about from an lr of 0.01 up.
+# On 2 CPU cores `bash launch.sh 4` must finish in minutes (its lr: docs/training.md); on GPUs a real ResNet-50 run.
 DEVICE_DEFAULTS = {
     "cpu": dict(image_size=32, train_samples=2048, val_samples=500, batch_size=16, workers=0, lr=0.005),
     "cuda": dict(image_size=224, train_samples=64000, val_samples=10000, batch_size=64, workers=6, lr=0.1),
@@ -91,7 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--image-size", type=int, help="crop size (default 32 on CPU, 224 on GPU)")
     p.add_argument("--workers", type=int, help="DataLoader workers per process (default 0 on CPU, 6 on GPU)")
     p.add_argument("--no-flip", action="store_true", help="no horizontal flip: for --data whose mirror images differ")
-    p.add_argument("--arch", default="resnet50", help="any torchvision classification model (default resnet50)")
+    p.add_argument("--arch", default="resnet50", choices=ARCHS, metavar="NAME",
+                   help="a torchvision classification model (default resnet50)")
     p.add_argument("--weights", help="start from these weights: a torchvision name for --arch (IMAGENET1K_V2, "
                                      "DEFAULT, ResNet50_Weights.IMAGENET1K_V2), or a file: a state dict or a last.pt")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (after DDP wraps it)")
@@ -117,7 +116,6 @@ def parse_args(argv=None):
     p.set_defaults(resize=None, interpolation="bilinear")  # the validation resize, before the center crop
     args = p.parse_args(argv)
 
-    check_arch(args.arch)
     args.image_size_given = args.image_size is not None
     weights = named_weights(args)
     if weights and args.image_size is None:  # train and validate at the sizes the weights were published with
@@ -197,10 +195,9 @@ def process_group(args, device):
     init_distributed(args, device)
     try:
         yield
-        # Before torch 2.14 a rank could hang at exit: destroying a gloo group holds the GIL and waits for its
-        # threads, one of which may be freeing the last collectives' tensors, which needs the GIL. These works keep
-        # those tensors alive until `finished` is freed, after the group: a barrier, and a collective on the CPU
-        # backend, which on GPUs is the gloo side of the group that the barrier (on NCCL) never reaches.
+        # Before torch 2.14 a rank could hang at exit, destroying a gloo group while its threads free the last
+        # collectives' tensors (docs/testing.md). These works keep them alive until after the group: a barrier, and a
+        # collective on the CPU backend, which on GPUs is gloo's side of the group, never reached by the barrier.
         finished = [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]
         for work in finished:
             work.wait()
@@ -218,8 +215,7 @@ def process_group(args, device):
 
 def init_distributed(args, device):
     rank, world_size = world_from_env()
-    # On GPUs one group holds two backends: NCCL for the CUDA tensors, and gloo for gather_utils' small CPU
-    # collectives (the SIGTERM agreement, objects), which so never queue behind the gradients.
+    # On GPUs one group, two backends: NCCL for CUDA tensors, gloo for the small CPU ones, never queued behind grads.
     backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
     bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator on this GPU, at once
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: a store in memory, no address, no port
@@ -228,14 +224,12 @@ def init_distributed(args, device):
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (docs/launching.md)")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    # Forming the group (the rendezvous, gloo's connections) waits --init-timeout, the collectives after it
-    # --collective-timeout (dist.set_timeout; torch 2.3 has it only as distributed_c10d._set_pg_timeout).
+    # The rendezvous and gloo's connections wait --init-timeout, the collectives after it --collective-timeout.
     timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        # Workers that share torchrun's own store keep it across restarts (MAX_RESTARTS), with the last attempt's keys
-        # in it: without a prefix per attempt a restart hangs (test_max_restarts_resumes_by_itself). Not so in an
-        # elastic job of launch.sh: a new store each round, and a node that joins has counted no restarts.
+        # torchrun's own store outlives a restart (MAX_RESTARTS) with the last attempt's keys: without a prefix per
+        # attempt it hangs. launch.sh's elastic job gets a new store each round, and a joining node counts no restarts.
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             store = dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bind)
@@ -243,7 +237,7 @@ def init_distributed(args, device):
         gather_utils.all_gather_object(None)  # on GPUs, the gloo backend's first collective: its problems show now
     except (RuntimeError, ValueError) as e:
         rank_error(init_failure(e, args, world_size, address))
-    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch 2.3
     set_timeout(datetime.timedelta(seconds=args.collective_timeout))
 
 
@@ -258,8 +252,7 @@ def world_from_env():
 
 # ---------------------------------------------------------------- 4. to 7., in the process group
 def train_or_evaluate(args, device, resume_from, checkpoint, stop):
-    """Steps 4 to 7, in a function of their own: the DDP model holds the process group, and must be
-    freed before process_group() destroys it."""
+    """Steps 4 to 7, a function of their own: the DDP model must be freed before process_group() ends the group."""
     check_same_start(checkpoint)
     train_set, val_set = build_datasets(args)  # 4. data
     steps = steps_per_epoch(train_set, args)
@@ -272,14 +265,13 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         metrics = validate(model.to(device, memory_format=memory_format(args)), val_set, args, to_input)
         append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
         return log(json.dumps(metrics))
-    warmup_steps = round(args.warmup_epochs * steps)  # PowerSGD's plain start
-    model = wrap_ddp(model, args, device, warmup_steps)
+    model = wrap_ddp(model, args, device, warmup_steps=round(args.warmup_epochs * steps))  # PowerSGD's plain start
     optimizer, scaler = build_optimizer(model, args)
-    epoch, samples = 0, 0
+    run = Training(model, optimizer, scaler, steps_per_epoch=steps)
     if checkpoint:
-        epoch, samples = restore_training_state(checkpoint, optimizer, scaler, args)
-        log(f"resumed from {resume_from} at epoch {epoch + 1} step {checkpoint['step']}"
-            f"{changed_settings(checkpoint, args, samples)}")
+        restore_training_state(checkpoint, run, args)
+        log(f"resumed from {resume_from} at epoch {run.epoch + 1} step {checkpoint['step']}"
+            f"{changed_settings(checkpoint, args, run.samples)}")
         checkpoint.clear()  # the model and optimizer have what they need: free the rest (main() holds the dict)
     start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "") if args.weights else ""
     start += ", compiled (the first step compiles, which takes a while)" if args.compile else ""
@@ -287,11 +279,8 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     log(f"{args.arch}{start} on {dist.get_world_size()} x {device.type} ({args.backend}), "
         f"{len(train_set)} train / {len(val_set)} val images at {args.image_size} px, {recipe}, "
         f"batch {args.batch_size} x {args.accum_steps} x {dist.get_world_size()}, {steps} steps per epoch")
-    run = Training(model, optimizer, scaler, steps_per_epoch=steps, epoch=epoch, samples=samples)
-    try:
+    with run.writer:  # the block's end waits for the last checkpoint write, also on an error: then this rank leaves
         fit(run, train_set, val_set, args, to_input, stop)
-    finally:
-        wait_for_write(run, args)  # the last checkpoint complete before this rank leaves
 
 
 # ---------------------------------------------------------------- 4. data
@@ -428,22 +417,17 @@ def wrap_ddp(model, args, device, warmup_steps):
     register_comm_hook(ddp, args.comm_hook, warmup_steps)
     if not args.compile:
         return ddp
-    # Compiled after DDP wraps it, as PyTorch advises: the graph is then split at the gradient buckets, so each
-    # bucket's all-reduce still starts during the backward. The compiled module passes DDP's own attributes on.
-    # inductor gives 1x1 convolutions' gradients other strides than their weights', which DDP copies and warns of.
+    # Compiled after DDP wraps it, as PyTorch advises: the graph splits at the gradient buckets, whose all-reduces still
+    # overlap the backward. inductor gives 1x1 convolutions' gradients other strides than their weights': DDP warns.
     warnings.filterwarnings("ignore", "Grad strides do not match bucket view strides")
     return torch.compile(ddp)
 
 
 def register_comm_hook(ddp, name, warmup_steps):
     """Replace DDP's plain all-reduce of gradients by the hook `name` (none, fp16, bf16, powersgd)."""
-    if name == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif name == "powersgd":
-        # The state carries the error feedback and the warm-started low-rank factors from step to step.
-        # Plain all-reduce during the lr warm-up.
+    if name in ("fp16", "bf16"):
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
+    elif name == "powersgd":  # plain all-reduce during the lr warm-up; the state carries the error feedback
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=max(2, warmup_steps))
         ddp.register_comm_hook(state, powersgd_hook)
@@ -459,8 +443,7 @@ def powersgd_hook(state, bucket):
 
 
 def build_optimizer(model, args):
-    # On GPUs SGD's fused kernel, which also takes the GradScaler's overflow check (--amp fp16): plain SGD leaves it
-    # to the scaler, which reads it on the host, a wait for the GPU at every step.
+    # On GPUs the fused kernel, which also does the GradScaler's inf check (--amp fp16) on the GPU, not on the host.
     device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                                 fused=device.type == "cuda")
@@ -488,9 +471,8 @@ class Training:
     epoch: int = 0  # where training stands: in epoch `epoch` (0-based),
     samples: int = 0  # after the first `samples` images of its order (over all ranks, at any world size and batch),
     step: int = 0  # which is after `step` optimizer steps at this world size and batch
-    # Rank 0 writes the checkpoints on a thread of its own, while training goes on; an exit waits for the last.
     writer: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "checkpoint writer"))
-    written: Future = None
+    written: Future = None  # rank 0's latest write: the next save, and the exit, wait for it
 
 
 def fit(run, train_set, val_set, args, to_input, stop):
@@ -527,21 +509,19 @@ def fit(run, train_set, val_set, args, to_input, stop):
 
 
 def remaining_shard(sampler, run, args):
-    """This rank's indices for the rest of the epoch, cut to whole optimizer steps, as many on every rank; sets
-    run.step. DistributedSampler deals the epoch's one shuffled order out in turn, rank r taking entries r, r + world,
-    ...: the run.samples trained before a resume, at any world size and batch, are the order's first ones. Each rank
-    skips its share of them: every other image comes once, but for a tail shorter than one step, which is dropped."""
+    """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every rank; sets run.step.
+    DistributedSampler deals the epoch's one order out in turn (rank r: entries r, r + world, ...), so the run.samples
+    trained before, at any world size and batch, are its first ones: each rank skips its share (docs/checkpoints.md)."""
     world, rank, per_step = sampler.num_replicas, sampler.rank, args.batch_size * args.accum_steps
-    skip = -(-(run.samples - rank) // world)  # this rank's entries before position run.samples (ceil division)
-    steps_left = max(0, len(sampler) - -(-run.samples // world)) // per_step  # rank 0's: it skips the most
+    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before position run.samples
+    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step  # rank 0's: it skips the most
     run.step = run.steps_per_epoch - steps_left
     return list(sampler)[skip: skip + steps_left * per_step]
 
 
 def train_one_epoch(run, loader, args, to_input, stop):
-    """Train to the end of the epoch, or until the ranks agree to stop on a SIGTERM. Returns the loss, the share of
-    time spent waiting for data and the images/s of all ranks, averaged over ranks, and whether to stop. Between log
-    lines nothing makes the host wait for the GPU (check_syncs.py)."""
+    """Train to the end of the epoch, or until the ranks agree to stop. Returns the loss, data-wait share and images/s,
+    averaged over ranks, and whether to stop. Between log lines no host waits for the GPU (check_syncs.py)."""
     images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
     if run.step == run.steps_per_epoch:  # resumed at a larger step, with less than one left in the epoch
         return {"train_loss": math.nan, "data_wait": 0.0, "images_per_sec": 0.0}, False
@@ -552,8 +532,6 @@ def train_one_epoch(run, loader, args, to_input, stop):
     marks = [(run.step, synced_clock(to_input.device), 0.0)]
     upcoming, waited = next_step(batches, args, stop), time.perf_counter() - marks[0][1]
     while run.step < run.steps_per_epoch:
-        # Agreed before every step, so that one rank's SIGTERM, or an image it cannot read, stops all ranks here.
-        # The flags for step N + 1 travel while step N computes.
         if stop.agreed():
             return None, True
         micro_batches, fetch_began = upcoming, time.perf_counter()
@@ -658,24 +636,17 @@ def validate(model, val_set, args, to_input):
 
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
-    """Batch-norm statistics for the weights as they are, as precise BN computes them: each rank averages the batch
-    statistics of its share of BN_IMAGES, and the ranks average theirs, so that all validate, and save, one model. The
-    running averages trail the weights (early in a short run: a val_loss in the thousands) and hold few batches."""
-    momenta = {norm: norm.momentum for norm in model.modules() if getattr(norm, "track_running_stats", False)}
-    for norm in momenta:
-        norm.reset_running_stats()
-        norm.momentum = None  # a plain average over the batches below
+    """Batch-norm statistics for the weights as they are, as precise BN computes them: the batch statistics of each
+    rank's share of BN_IMAGES, averaged over ranks, so that all validate, and save, one model (docs/training.md)."""
     batches = max(1, min(BN_IMAGES // dist.get_world_size(), len(sampler)) // args.batch_size)  # len: the shard's
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=list(sampler)[: batches * args.batch_size],
                         num_workers=args.workers, drop_last=True, generator=torch.Generator().manual_seed(args.seed))
-    model.train()
     with torch.random.fork_rng([to_input.device] if to_input.device.type == "cuda" else []):  # training's stream stays
-        for batch in loader:
-            model(to_input(*batch)[0])
-    for norm, momentum in momenta.items():
-        norm.momentum = momentum
-        for stats in norm.running_mean, norm.running_var:  # equal batch counts: the mean over all batches
-            dist.all_reduce(stats.div_(dist.get_world_size()))
+        update_bn((to_input(*batch)[0] for batch in loader), model)  # reset, then a plain average over the batches
+    for norm in model.modules():
+        if getattr(norm, "track_running_stats", False):
+            for stats in norm.running_mean, norm.running_var:  # equal batch counts: the mean over all batches
+                dist.all_reduce(stats.div_(dist.get_world_size()))
 
 
 def amp_context(args, device):
@@ -700,10 +671,9 @@ def append_metrics(args, record):
 
 # ---------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
-    """Rank 0 hands a copy of the training state to its writer thread, which writes last.pt while training goes on.
-    Returns replica_checksums."""
+    """Rank 0 hands a copy of the training state, with each rank's random stream for a resume to continue, to its
+    writer thread, which writes last.pt while training goes on. Returns replica_checksums."""
     checksums = replica_checksums(run, args)
-    # Each rank's random stream, which a resume continues.
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(),
                                           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
     if dist.get_rank() == 0:
@@ -711,7 +681,8 @@ def save_checkpoint(run, args):
                  "scaler": run.scaler.state_dict(), "epoch": run.epoch, "samples": run.samples, "step": run.step,
                  "world_size": dist.get_world_size(), "args": vars(args), "rng": rng,
                  "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
-        wait_for_write(run, args)  # one write at a time
+        if run.written:
+            run.written.result()  # one write at a time: one copy of the state in memory, however slow the disk
         run.written = run.writer.submit(write_atomically, on_host(state), last_checkpoint(args))
     return checksums
 
@@ -727,37 +698,32 @@ def on_host(value):
 
 def write_atomically(state, path):
     """To last.pt.tmp, flushed and fsynced, then renamed over last.pt: a kill at any moment leaves the old file or the
-    new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def wait_for_write(run, args):
-    """Rank 0's last checkpoint write done; one that failed (a full disk) stops this rank with one line."""
+    new one, never a torn one. A write that fails (a full disk) ends the process, with one line."""
     try:
-        if run.written is not None:
-            run.written.result()
-    except Exception as e:
-        rank_error(f"could not write {last_checkpoint(args)} ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:  # on the writer thread, where sys.exit would end the thread only
+        say(f"error: rank 0: could not write {path} ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
+        os._exit(1)
 
 
 def last_checkpoint(args):
     return Path(args.checkpoint_dir) / "last.pt"
 
 
-def restore_training_state(checkpoint, optimizer, scaler, args):
-    """Returns the (epoch, images of it trained) to continue at; the model was loaded before DDP wrapped it."""
-    optimizer.load_state_dict(checkpoint["optimizer"])
+def restore_training_state(checkpoint, run, args):
+    """run's epoch, images of it trained, optimizer, scaler and random stream as saved; build_model loaded the model."""
+    run.optimizer.load_state_dict(checkpoint["optimizer"])
     # The loaded state carries the old run's settings: this run's win (learning_rate sets lr at every step).
-    for group in optimizer.param_groups:
+    for group in run.optimizer.param_groups:
         group.update(momentum=args.momentum, weight_decay=args.weight_decay)
     if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler starts from its defaults
-        scaler.load_state_dict(checkpoint["scaler"])
+        run.scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     if dist.get_rank() < len(rng):
         torch.set_rng_state(rng[dist.get_rank()]["torch"])
@@ -765,7 +731,7 @@ def restore_training_state(checkpoint, optimizer, scaler, args):
             torch.cuda.set_rng_state(rng[dist.get_rank()]["cuda"])
     # Checkpoints before 2026-12-04 count the steps only, at the world size and batch that wrote them.
     per_step = checkpoint["world_size"] * checkpoint["args"]["batch_size"] * checkpoint["args"]["accum_steps"]
-    return checkpoint["epoch"], checkpoint.get("samples", checkpoint["step"] * per_step)
+    run.epoch, run.samples = checkpoint["epoch"], checkpoint.get("samples", checkpoint["step"] * per_step)
 
 
 def changed_settings(checkpoint, args, samples):
@@ -788,9 +754,7 @@ def env_local_rank():
 
 
 def fail(message, code=2):
-    """Bad input (exit 2), or a verdict on values all ranks gathered (1): every rank of a machine sees it alike, so
-    its first process says so, one line for each machine instead of N tracebacks (a machine whose --data or --resume
-    differs from the others' says so too)."""
+    """Bad input (exit 2), or a verdict on values all ranks gathered (1): each machine's first process says it."""
     if env_local_rank() == 0:
         say(f"error: {message}")
     sys.exit(code)
@@ -848,16 +812,8 @@ def check_args(args):
     check_shared_memory(args)
 
 
-def check_arch(arch):
-    if arch not in ARCHS:
-        close = difflib.get_close_matches(arch, ARCHS, n=3, cutoff=0.5) or ["resnet18", "resnet50", "convnext_tiny"]
-        fail(f"unknown --arch '{arch}'; expected a torchvision classification model such as {', '.join(close)} "
-             f"(all of them: torchvision.models.list_models(module=torchvision.models))")
-
-
 def named_weights(args):
-    """The torchvision weights --weights names, e.g. IMAGENET1K_V2, DEFAULT or ResNet50_Weights.IMAGENET1K_V2;
-    None without --weights or for a file."""
+    """The torchvision weights --weights names (IMAGENET1K_V2, DEFAULT, ResNet50_Weights.IMAGENET1K_V2), or None."""
     if not args.weights or Path(args.weights).is_file():
         return None
     kinds = torchvision.models.get_model_weights(args.arch)
@@ -877,8 +833,7 @@ def read_weights_file(path):
 
 
 def check_arch_trains(arch, image_size, training):
-    """One forward on the meta device (shapes only), in training mode unless only evaluating, so that a model that
-    cannot run at this size, or returns more than logits, fails now, not after setup."""
+    """A forward on the meta device (shapes only): a model that cannot train at this size, or returns more, fails."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
         try:
@@ -902,8 +857,7 @@ def check_writable(directory, flag):
 
 
 def check_shared_memory(args):
-    """DataLoader workers hand their batches over in /dev/shm; a container's default of 64 MB
-    holds few 224 px batches, and running out kills the workers mid-epoch with a bus error."""
+    """DataLoader workers hand batches over in /dev/shm: running out (a container's 64 MB) kills them mid-epoch."""
     if args.workers == 0 or not os.path.isdir("/dev/shm"):
         return
     # The processes of this machine: torchrun's count, else the most srun tasks on one node ("8(x2),4").
@@ -951,9 +905,8 @@ def init_failure(error, args, world_size, address):
 
 
 def raise_nccl_timeouts(args):
-    """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's last collectives
-    (its flight recorder) beside the checkpoints, and aborts NCCL, so that the next collective raises for the one line
-    of process_group(); torch's 3, or torchrun's 1, would kill the process first. The user's own settings stay."""
+    """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's flight recorder
+    beside the checkpoints and aborts NCCL, so that the next collective raises for process_group()'s one line."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     settings = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                 "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -963,21 +916,19 @@ def raise_nccl_timeouts(args):
 
 
 def check_same_start(checkpoint):
-    """Every rank must resume from the same checkpoint, or all start afresh: nodes with disks of their own may not,
-    and ranks that disagree on the step would run different numbers of collectives and hang."""
-    start = None
+    """Every rank must resume from the same checkpoint (nodes with disks of their own may not), or the ranks hang."""
+    start = "a fresh start"
     if checkpoint is not None:
         weights = hashlib.blake2b(digest_size=6)
         for tensor in checkpoint["model"].values():
             weights.update(tensor.reshape(-1).view(torch.uint8).numpy())
-        start = (checkpoint["epoch"], checkpoint["step"], weights.hexdigest())
+        start = f"epoch {checkpoint['epoch']} step {checkpoint['step']}, weights {weights.hexdigest()}"
     ranks_by_start = {}
     for rank, other in enumerate(gather_utils.all_gather_object(start)):
         ranks_by_start.setdefault(other, []).append(str(rank))
     if len(ranks_by_start) > 1:
-        where = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: "
-                          + ("a fresh start" if s is None else f"epoch {s[0]} step {s[1]}, weights {s[2]}")
-                          for s, ranks in ranks_by_start.items())
+        where = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {text}"
+                          for text, ranks in ranks_by_start.items())
         fail(f"the ranks would resume from different checkpoints ({where}); give every node the same --resume "
              "file, and a --checkpoint-dir they all see (a shared filesystem)")
 
@@ -985,8 +936,7 @@ def check_same_start(checkpoint):
 class StopAgreement:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before every optimizer
     step, and after each validation but the last, the ranks agree, so that one rank's SIGTERM, or an image it cannot
-    read, stops all at the same point: one all-reduce of two flags on the CPU backend (gloo, even on NCCL: it never
-    waits for the GPU), sent before the step ahead computes; a problem's text is gathered only when there is one."""
+    read, stops all at the same point: an all-reduce of two flags on the CPU backend, which never waits for the GPU."""
 
     def __init__(self):
         self.requested = False  # set by the handler, which Python runs in the main thread
@@ -1035,8 +985,7 @@ def unreadable(error):
 
 
 def replica_checksums(run, args):
-    """Each rank's parameter checksum: DDP must keep them identical; a difference means a broken sync. A model gone
-    non-finite (nan != nan) stops every rank, before it is saved."""
+    """Each rank's parameter checksum, which DDP keeps equal: a difference (a broken sync), or nan, stops every rank."""
     checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(run.model.parameters())).item()
     checksums = gather_utils.all_gather_object(checksum)
     if not all(map(math.isfinite, checksums)):
