@@ -88,7 +88,7 @@ if [[ -n ${NNODES:-} ]]; then
         export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
         restarts=${MAX_RESTARTS:-3}
         rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
-                    --rdzv-conf "timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}"
+                    --rdzv-conf "join_timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}"
                     --rdzv-id "${RUN_ID:-$SLURM_JOB_ID}" ${here_addr:+--local-addr "$here_addr"})
     else
         : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
