@@ -75,7 +75,7 @@ if [[ -n ${NNODES:-} ]]; then
         [[ -n $dev ]] || dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
         if [[ -n $dev && $dev != lo ]]; then
             export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
-            here_addr=$(ip -o -4 addr show dev "$dev" | awk '{sub("/.*", "", $4); print $4; exit}')
+            node_addr=$(ip -o -4 addr show dev "$dev" | awk '{sub("/.*", "", $4); print $4; exit}')
             echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" \
                 "(reaches MASTER_ADDR $addr)" >&2
         else  # no route, or MASTER_ADDR is node 0's own name, mapped to loopback by its /etc/hosts
@@ -89,7 +89,7 @@ if [[ -n ${NNODES:-} ]]; then
         restarts=${MAX_RESTARTS:-3}
         rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
                     --rdzv-conf "join_timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}"
-                    --rdzv-id "${RUN_ID:-$SLURM_JOB_ID}" ${here_addr:+--local-addr "$here_addr"})
+                    --rdzv-id "${RUN_ID:-$SLURM_JOB_ID}" ${node_addr:+--local-addr "$node_addr"})
     else
         : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
         rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
