@@ -79,7 +79,7 @@ def bench(args, train_args, device):
         for k in range(args.every):
             began = time.perf_counter()
             step()
-            if variant == VARIANTS[1] or variant == VARIANTS[3] or (variant == VARIANTS[2] and k == 0):
+            if variant in (VARIANTS[1], VARIANTS[3]) or (variant == VARIANTS[2] and k == 0):
                 calls.append(save())
             if variant == VARIANTS[3]:
                 run.written.result()

@@ -285,6 +285,19 @@ def test_save_every_loses_at_most_those_steps_to_a_kill(tmp_path, uninterrupted)
     resume_and_compare(tmp_path, uninterrupted)
 
 
+def test_a_checkpoint_write_that_fails_stops_the_job_with_one_line(tmp_path):
+    # The writer thread cannot open last.pt.tmp (a directory stands there, as a full disk or a lost mount would
+    # fail it): rank 0 says so and exits 1, and the other rank, left alone, says why it stops.
+    (tmp_path / "ck" / "last.pt.tmp").mkdir(parents=True)
+    result = run(torchrun(2, *FAST, "--epochs", "1", "--checkpoint-dir", tmp_path / "ck"))
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
+    assert lines[0].startswith(f"train_ddp.py: error: rank 0: could not write {tmp_path / 'ck' / 'last.pt'} "
+                               "(IsADirectoryError: "), result.stderr[-3000:]
+    assert len(lines) <= 2 and all("rank 1: a collective failed" in line for line in lines[1:]), lines
+    assert not (tmp_path / "ck" / "last.pt").exists()
+
+
 def test_a_save_slower_than_torchruns_grace_is_never_half_written(tmp_path):
     # Plain torchrun passes a SIGTERM on to its workers and kills them --shutdown-timeout later (default 30 s): here
     # 1 s, less than writing ResNet-50's checkpoint, saved at every step. The write is cut, last.pt stays whole.
