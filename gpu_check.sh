@@ -216,7 +216,7 @@ if ((rehearse)); then
     val=32 on="1 x cpu (gloo)" long=(--train-samples 2048) fp16=(--train-samples 64)  # fp16 on a CPU is slow
     headline=(--arch resnet18 --image-size 32 --batch-size 16 --train-samples 512 --val-samples 32 --log-every 8
               --workers 2)
-    bench=(bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2 --repeats 1)
+    bench=(benchmarks/bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2 --repeats 1)
     photos=(--images 96 --val-images 16) real=(--arch resnet18 --image-size 64 --batch-size 16 --workers 2)
 else
     # 2 workers x 3 batches of 0.8 MB fit in any /dev/shm.
@@ -226,13 +226,13 @@ else
     # ImageNet's size: 60 steps of 256 images (37 MB of uint8 a batch), the first 10 the warm-up.
     headline=(--arch resnet50 --image-size 224 --batch-size 256 --amp bf16 --channels-last --train-samples 15360
               --val-samples 2560 --log-every 10 --workers "$(workers_for 37)")
-    bench=(bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1)
+    bench=(benchmarks/bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1)
     photos=(--images 2048 --val-images 256)
     real=(--arch resnet50 --image-size 224 --batch-size 256 --workers "$(workers_for 37)" --amp bf16 --channels-last)
 fi
 torchrun=($py -m torch.distributed.run --standalone)
 train=("${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}")
-checked=("${torchrun[@]}" --nproc-per-node 1 check_syncs.py "${small[@]}")  # train_ddp.py, watched for host syncs
+checked=("${torchrun[@]}" --nproc-per-node 1 tools/check_syncs.py "${small[@]}")  # train_ddp.py, watched for host syncs
 learned() {  # name [checked]: 2 epochs of falling loss over every val image in its metrics file; and no host sync
     verify "$1" "val_samples = $val; learned('$1.jsonl', 2)
 assert '${2:-}' != 'checked' or 'rank 0: 0 host waits between log lines' in log('$1'), 'host syncs'"
@@ -258,7 +258,7 @@ needs_gpu gather_gloo_cuda ||  # [40]
 
 # The headline: train_ddp.py itself at ImageNet's size, its images/s and share of time waiting for data, with no
 # host-device sync between log lines (check_syncs.py).  [40]
-step headline 150 "${torchrun[@]}" --nproc-per-node 1 check_syncs.py "${headline[@]}" --epochs 1 \
+step headline 150 "${torchrun[@]}" --nproc-per-node 1 tools/check_syncs.py "${headline[@]}" --epochs 1 \
     --checkpoint-dir "$work/headline" --metrics-file "$work/headline.jsonl"
 verify headline "r, = m('headline.jsonl'); assert 'rank 0: 0 host waits between log lines' in log('headline')
 print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}, no host sync\")"
@@ -380,7 +380,7 @@ assert len(rows) == 2, rows
 print('NOTE', ', '.join(f'{r[3].strip()} {r[4].split()[0]} img/s' for r in rows))"
 
 # Real images: the photographs through train_ddp.py's input pipeline, against the synthetic batches above.  [25, 35]
-step photographs 90 $py bench_data.py --write-folder "$work/photos" "${photos[@]}"
+step photographs 90 $py benchmarks/bench_data.py --write-folder "$work/photos" "${photos[@]}"
 step real_data 150 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py --data "$work/photos" "${real[@]}" \
     --epochs 1 --log-every 2 --checkpoint-dir "$work/real" --metrics-file "$work/real_data.jsonl"
 verify real_data "r, = m('real_data.jsonl'); assert r['images_per_sec'] > 0 and 0 <= r['data_wait'] < 1, r

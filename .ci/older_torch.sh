@@ -21,7 +21,7 @@ check_release() {  # torch version, then the rest of what its environment needs
     PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider test_gather.py -k "$gather"
     for _ in 1 2; do
         PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider \
-            test_train.py::test_every_rank_exits_after_train_resume_and_evaluate
+            tests/test_train.py::test_every_rank_exits_after_train_resume_and_evaluate
     done
     echo "== torch $version: $((SECONDS - began)) s"
 }

@@ -1,6 +1,6 @@
 """Run train_ddp.py, and fail if a training step between two log lines makes the host wait for the device.
 
-    torchrun --standalone --nproc-per-node 2 check_syncs.py --arch resnet18 --workers 2   # any train_ddp.py flags
+    torchrun --standalone --nproc-per-node 2 tools/check_syncs.py --arch resnet18 --workers 2   # any train_ddp.py flags
 
 Such a wait (a value read on the host, a tensor made from host data) stops the host from queueing step N + 1 while
 the GPU runs step N. On CUDA, torch.cuda.set_sync_debug_mode("warn") reports every synchronizing call. On the CPU
@@ -15,9 +15,12 @@ Each rank prints every other one with its stack, and exits 1 if it saw any.
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
 import train_ddp
 

@@ -1,10 +1,10 @@
 """Training speed: one process without DDP against N processes with DDP, side by side.
 
-    python bench_train.py                          # CPU: ResNet50 at 64 px, 2 x 1 thread vs 1 x 1 thread
-    python bench_train.py --device cuda --image-size 224 --batches 256 --nproc 1 --amp bf16 --channels-last
-    python bench_train.py --batches 32 --accum-steps 4 --configs single "ddp default"   # all-reduce every 4th
-    python bench_train.py --compile --configs single "ddp default"   # each configuration eager and compiled
-    python bench_train.py --hosts 1gbit 10gbit --batches 32 --configs single "ddp default" "ddp + powersgd"
+    python benchmarks/bench_train.py                          # CPU: ResNet50 at 64 px, 2 x 1 thread vs 1 x 1 thread
+    python benchmarks/bench_train.py --device cuda --image-size 224 --batches 256 --nproc 1 --amp bf16 --channels-last
+    python benchmarks/bench_train.py --batches 32 --accum-steps 4 --configs single "ddp default"   # all-reduce every 4th
+    python benchmarks/bench_train.py --compile --configs single "ddp default"   # each configuration eager and compiled
+    python benchmarks/bench_train.py --hosts 1gbit 10gbit --batches 32 --configs single "ddp default" "ddp + powersgd"
 
 With --hosts RATE..., the DDP processes run one per host on hosts.py's network namespaces, over links capped at
 each RATE (tc's token bucket; needs root), against the single process on this machine: where communication
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,9 @@ import torch.nn.functional as F
 import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hosts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
+
+from tools import hosts
 from train_ddp import ModelInput, SyntheticImages, amp_context, memory_format, register_comm_hook
 
 # name -> worker flags. "single" is one process without DDP. "independent" runs --nproc

@@ -1,7 +1,7 @@
 """The control plane's cost per training step: the stop agreement of train_ddp.py against the design it replaced.
 
-    python bench_control.py                          # 2, 4, 8 and 16 gloo ranks on this machine
-    python bench_control.py --ranks 4 --steps 200 --repeats 9
+    python benchmarks/bench_control.py                          # 2, 4, 8 and 16 gloo ranks on this machine
+    python benchmarks/bench_control.py --ranks 4 --steps 200 --repeats 9
 
 Before every optimizer step the ranks agree whether to stop (a SIGTERM on one rank, an image one cannot read). The
 design it replaced gathered every rank's (SIGTERM, problem) with all_gather_object before the step, blocking: its
@@ -20,12 +20,15 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
 import gather_utils
 import train_ddp

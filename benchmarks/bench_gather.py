@@ -1,6 +1,6 @@
 """Benchmark gather_utils against the floor, torch's all_gather_object and the seed article's helper.
 
-    torchrun --nproc_per_node 4 bench_gather.py [--mib 4] [--repeats 60] [--only tiny]
+    torchrun --nproc_per_node 4 benchmarks/bench_gather.py [--mib 4] [--repeats 60] [--only tiny]
 
 Every method runs in the same process group, interleaved round by round, so machine noise hits
 them alike. Each round's time is the slowest rank's; the table shows medians over rounds, and
@@ -21,10 +21,14 @@ of the first table alone, e.g. many rounds of the tiny calls.
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
 import gather_utils as gu
 

@@ -1,7 +1,7 @@
 """What a periodic checkpoint (train_ddp.py --save-every N) costs a training step on the CPU, against no save.
 
-    python bench_checkpoint.py                        # ResNet-50, batch 16 at 32 px, 2 threads: 2 min on 2 idle cores
-    python bench_checkpoint.py --arch resnet18 --rounds 2 --every 4   # quicker
+    python benchmarks/bench_checkpoint.py                        # ResNet-50, batch 16 at 32 px, 2 threads: 2 min on 2 idle cores
+    python benchmarks/bench_checkpoint.py --arch resnet18 --rounds 2 --every 4   # quicker
 
 One process, a process group of one (as train_ddp.py without a launcher), ResNet-50 (10 classes: its weights and SGD
 momentum make a checkpoint of about 190 MB), train_ddp.py's own model, DDP wrapper, optimizer and Training, a last.pt
@@ -21,12 +21,16 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from datetime import datetime
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
 import train_ddp
 

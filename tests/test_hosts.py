@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-import hosts
 from conftest import LAUNCH, TINY, TRAIN, assert_same_weights, clean_env, load, metrics, noise_image, ok, run, \
     write_images
+from tools import hosts
 
 FAST = [*TINY, "--train-samples", "256"]  # 2 epochs of 16 steps on 2 ranks
 PORT = 29500  # each host has its own ports: no clash with this machine's

@@ -1,7 +1,7 @@
 """Images/s of the input pipelines at 224 px, side by side in one run, on real photographs.
 
-    python bench_data.py                                     # 512 photographs, 5 rounds
-    python bench_data.py --write-folder /tmp/photos --images 4096   # an ImageFolder of them, for --data
+    python benchmarks/bench_data.py                                     # 512 photographs, 5 rounds
+    python benchmarks/bench_data.py --write-folder /tmp/photos --images 4096   # an ImageFolder of them, for --data
 
 The photographs are crops at ImageNet's usual size (about 500 x 375) of scikit-learn's two sample
 photographs (a test and benchmark dependency only), flipped and shifted at random, saved as JPEG
@@ -16,6 +16,7 @@ on the device (not counted here: on a GPU that is the GPU's work).
 import argparse
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
 import train_ddp
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-HERE = Path(__file__).resolve().parent
-TRAIN = str(HERE / "train_ddp.py")
-LAUNCH = str(HERE / "launch.sh")
+ROOT = Path(__file__).resolve().parents[1]  # the repo root, where the scripts under test run
+TRAIN = str(ROOT / "train_ddp.py")
+LAUNCH = str(ROOT / "launch.sh")
 # 2 ranks x 32 steps x 2 epochs: enough for the synthetic task to be learned (val acc1 ~100%).
 TINY = ["--arch", "resnet18", "--train-samples", "512", "--val-samples", "50", "--batch-size", "8", "--lr", "0.02",
         "--epochs", "2", "--log-every", "4"]
@@ -59,7 +59,7 @@ def clean_env(**extra):
 def start(cmd, env=None, cwd=None):
     """Start cmd in its own process group, so the test can kill it with all its workers."""
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or clean_env(), cwd=cwd or HERE, start_new_session=True)
+                            env=env or clean_env(), cwd=cwd or ROOT, start_new_session=True)
 
 
 def descendants(pid):

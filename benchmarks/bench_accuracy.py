@@ -1,7 +1,7 @@
 """Final accuracy on a small real data set, with and without the batch-norm recalibration, side by side.
 
-    python bench_accuracy.py                          # 3 seeds, 10 epochs: about 9 min on 2 cores
-    python bench_accuracy.py --seeds 0 1 --epochs 5   # quicker
+    python benchmarks/bench_accuracy.py                          # 3 seeds, 10 epochs: about 9 min on 2 cores
+    python benchmarks/bench_accuracy.py --seeds 0 1 --epochs 5   # quicker
 
 The data is scikit-learn's handwritten digits (1,797 gray 8 x 8 images of 0..16, shipped with the package: nothing is
 downloaded), scaled to 0..255 and enlarged 4x by repeating each pixel (nearest neighbour) to 32 x 32 PNGs in an
@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torchvision
 from sklearn.datasets import load_digits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
 ARMS = ["recalibrated", "running averages"]
 RANK_ENTRY = "--as-rank"  # how torchrun starts this file as a training process: --as-rank ARM train_ddp.py's flags
@@ -92,7 +94,7 @@ def train(arm, seed, data, workdir, args):
 
 def train_as_rank(arm, argv):
     """A training process, as torchrun starts it: train_ddp.py's main(), with this arm's batch-norm statistics."""
-    import train_ddp  # beside this file
+    import train_ddp
 
     if arm == "running averages":
         train_ddp.recalibrate_batch_norm = running_averages

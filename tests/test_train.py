@@ -18,7 +18,7 @@ import torch
 import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
-from conftest import HERE, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, free_port, kill_tree, \
+from conftest import ROOT, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, free_port, kill_tree, \
     load, metrics, noise_image, ok, run, start, torchrun, write_images
 
 pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own RUN_TIMEOUT
@@ -139,7 +139,7 @@ def test_image_folder_data(tmp_path):
 def test_validation_preprocessing_equals_pil_within_one_level(tmp_path):
     # On real photographs at ImageNet's size: torchvision.io and v2 on uint8 against pytorch/examples' PIL path.
     import train_ddp
-    from bench_data import write_photographs
+    from benchmarks.bench_data import write_photographs
     from torchvision import transforms
 
     write_photographs(tmp_path, 8)
@@ -205,7 +205,7 @@ def test_no_host_waits_between_log_lines(tmp_path, extra):
     # the host wait (a value read on the host, a tensor made from host data) between two log lines: there must be none
     # (before the device kept the normalization's constants, torchvision made 2 tensors from lists per batch).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "check_syncs.py"), *CHECK_SYNCS, *extra, "--epochs", "2", "--checkpoint-dir", tmp_path]
+           str(ROOT / "tools" / "check_syncs.py"), *CHECK_SYNCS, *extra, "--epochs", "2", "--checkpoint-dir", tmp_path]
     result = ok(run(cmd))
     for rank in range(2):
         assert f"check_syncs.py: rank {rank}: 0 host waits between log lines" in result.stdout, result.stdout
@@ -213,13 +213,14 @@ def test_no_host_waits_between_log_lines(tmp_path, extra):
 
 def test_check_syncs_finds_a_host_wait_in_a_step(tmp_path):
     # The same check on a copy of train_ddp.py that reads the loss on the host after every step: it must name it.
-    source = (HERE / "train_ddp.py").read_text()
+    source = (ROOT / "train_ddp.py").read_text()
     planted = source.replace("        loss_sum += step_loss\n", "        loss_sum += step_loss.item()\n")
     assert planted != source
-    for name, text in [("train_ddp.py", planted), ("gather_utils.py", None), ("check_syncs.py", None)]:
-        (tmp_path / name).write_text(text or (HERE / name).read_text())
+    (tmp_path / "tools").mkdir()
+    for name, text in [("train_ddp.py", planted), ("gather_utils.py", None), ("tools/check_syncs.py", None)]:
+        (tmp_path / name).write_text(text or (ROOT / name).read_text())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(tmp_path / "check_syncs.py"), *CHECK_SYNCS, "--epochs", "1", "--checkpoint-dir", tmp_path]
+           str(tmp_path / "tools" / "check_syncs.py"), *CHECK_SYNCS, "--epochs", "1", "--checkpoint-dir", tmp_path]
     result = run(cmd, cwd=tmp_path)
     assert result.returncode != 0
     # 12 steps, a log line every 4: watched from the first log line's step to the last step, the reads after
