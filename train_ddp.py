@@ -16,11 +16,9 @@ if __name__ == "__main__":
 
 import argparse
 import datetime
-import hashlib
 import json
 import math
 import os
-import sys
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,10 +36,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
 import gather_utils
+import guard
 
 # On 2 CPU cores `bash launch.sh 4` must finish in minutes (its lr: docs/training.md); on GPUs a real ResNet-50 run.
 DEVICE_DEFAULTS = {
@@ -55,7 +53,6 @@ SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # what torchvision's weights expect
 # Images up to this size (CIFAR, Tiny ImageNet) train whole: a random-resized crop, which may keep 8%, loses them.
 SMALL_IMAGE_MAX_SIZE = 64
-CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks, at most the train set: precise BN's count
 
 
@@ -66,7 +63,7 @@ def main(argv=None):
     if args.dry_run:
         return
     # Noted from here on: a SIGTERM during the set-up, or held since start-up, stops training at its first step.
-    stop = None if args.evaluate else StopAgreement()
+    stop = None if args.evaluate else guard.StopAgreement()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)  # 2. device
     with process_group(args, device):  # 3. process group, and 8. clean-up when the block ends
@@ -76,8 +73,8 @@ def main(argv=None):
 # ---------------------------------------------------------------- 1. arguments, and the checkpoint to resume from
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="DDP training of a torchvision classifier (see docs/training.md).")
-    p.error = fail  # one line, not argparse's usage, from every rank
-    p.add_argument("--local-rank", "--local_rank", type=int, default=env_local_rank(),
+    p.error = guard.fail  # one line, not argparse's usage, from every rank
+    p.add_argument("--local-rank", "--local_rank", type=int, default=guard.env_local_rank(),
                    help="set by torch.distributed.launch (default: LOCAL_RANK, else SLURM_LOCALID, else 0)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl on GPUs, else gloo")
     p.add_argument("--init-timeout", type=float, default=60, help="seconds for all ranks to join (default 60)")
@@ -117,7 +114,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     args.image_size_given = args.image_size is not None
-    weights = named_weights(args)
+    weights = guard.named_weights(args)
     if weights and args.image_size is None:  # train and validate at the sizes the weights were published with
         recipe = weights.transforms()
         args.image_size, args.resize, args.interpolation = (recipe.crop_size[0], recipe.resize_size[0],
@@ -129,47 +126,29 @@ def parse_args(argv=None):
     args.resize = args.resize or args.image_size * 256 // 224
     if args.backend == "auto":
         args.backend = "nccl" if device_type == "cuda" else "gloo"
-    check_args(args)
+    guard.check_args(args)
     return args
 
 
 def load_checkpoint(args):
     """(path, checkpoint) to resume from, read on every rank; (None, None) for a fresh start."""
-    path = resume_path(args)
+    path = guard.resume_path(args)
     if path is None:
         return None, None
     if not path.is_file():
-        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
+        guard.fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
-        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys {', '.join(sorted(CHECKPOINT_KEYS))})")
+        guard.fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    if not isinstance(checkpoint, dict) or not guard.CHECKPOINT_KEYS <= checkpoint.keys():
+        guard.fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys {', '.join(sorted(guard.CHECKPOINT_KEYS))})")
     if checkpoint["args"]["arch"] != args.arch:
-        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
+        guard.fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is {args.arch}")
     if not args.image_size_given:  # continue at the sizes the run started with (a fine-tune's came from its weights)
         sizes = ["image_size", "resize", "interpolation"]
         args.image_size, args.resize, args.interpolation = (checkpoint["args"].get(k, getattr(args, k)) for k in sizes)
     return path, checkpoint
-
-
-def resume_path(args):
-    """--resume, unless this torchrun job (its run id) has written a last.pt: then that one, which a restart
-    (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX) as well."""
-    last, job = last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    # torchrun's default id, "none", is every job's: only a restart may take a last.pt of that id for its own.
-    if last.exists() and not args.evaluate and (restarted or job not in (None, "none")):
-        try:  # a last.pt that an earlier job left in the same directory must not pass for this job's
-            run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("run_id")
-        except Exception:  # unreadable: not this job's, which writes atomically
-            run_id = None
-        if run_id == job:
-            return last
-        if restarted and world_from_env()[0] == 0:
-            say(f"restart: ignoring {last}, written by another job (run id {run_id})")
-    return Path(args.resume) if args.resume else None
 
 
 # ---------------------------------------------------------------- 2. device
@@ -181,11 +160,11 @@ def setup_device(args):
     one_per_task = torch.cuda.device_count() == 1 and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1
     index = 0 if one_per_task else args.local_rank
     if index >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
-        rank_error(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
+        guard.rank_error(f"local rank {index} but only {torch.cuda.device_count()} GPUs are visible; "
                    "start at most one process per GPU", code=2)
     torch.cuda.set_device(index)
     torch.backends.cudnn.benchmark = True  # fixed input sizes: time the conv kernels once, keep the fastest
-    raise_nccl_timeouts(args)  # read as NCCL starts
+    guard.raise_nccl_timeouts(args)  # read as NCCL starts
     return torch.device("cuda", index)
 
 
@@ -206,7 +185,7 @@ def process_group(args, device):
             raise
         trace = Path(os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "") + str(dist.get_rank()))  # on NCCL
         recorded = f"; its last collectives: {trace} (every rank's: torchfrtrace {trace.parent})"
-        rank_error(f"a collective failed: another rank stopped, or stopped answering for --collective-timeout "
+        guard.rank_error(f"a collective failed: another rank stopped, or stopped answering for --collective-timeout "
                    f"{args.collective_timeout:g} s; look for its own error ({str(e).strip().splitlines()[0]})"
                    + (recorded if trace.is_file() else ""))
     finally:
@@ -214,7 +193,7 @@ def process_group(args, device):
 
 
 def init_distributed(args, device):
-    rank, world_size = world_from_env()
+    rank, world_size = guard.world_from_env()
     # On GPUs one group, two backends: NCCL for CUDA tensors, gloo for the small CPU ones, never queued behind grads.
     backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
     bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator on this GPU, at once
@@ -222,7 +201,7 @@ def init_distributed(args, device):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (docs/launching.md)")
+        guard.fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both (docs/launching.md)")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     # The rendezvous and gloo's connections wait --init-timeout, the collectives after it --collective-timeout.
     timeout = datetime.timedelta(seconds=args.init_timeout)
@@ -236,28 +215,19 @@ def init_distributed(args, device):
         dist.barrier()
         gather_utils.all_gather_object(None)  # on GPUs, the gloo backend's first collective: its problems show now
     except (RuntimeError, ValueError) as e:
-        rank_error(init_failure(e, args, world_size, address))
+        guard.rank_error(guard.init_failure(e, args, world_size, address))
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch 2.3
     set_timeout(datetime.timedelta(seconds=args.collective_timeout))
-
-
-def world_from_env():
-    """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID), else one process."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if "SLURM_STEP_ID" in os.environ:
-        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
-    return 0, 1
 
 
 # ---------------------------------------------------------------- 4. to 7., in the process group
 def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     """Steps 4 to 7, a function of their own: the DDP model must be freed before process_group() ends the group."""
-    check_same_start(checkpoint)
+    guard.check_same_start(checkpoint)
     train_set, val_set = build_datasets(args)  # 4. data
     steps = steps_per_epoch(train_set, args)
-    if named_weights(args):
-        fetch_weights(named_weights(args))
+    if guard.named_weights(args):
+        guard.fetch_weights(guard.named_weights(args))
     model, new_layers = build_model(args, checkpoint)  # 5. model, the same weights on every rank
     torch.manual_seed(args.seed + dist.get_rank())  # from here, one random stream per rank
     to_input = ModelInput(args, device)
@@ -271,7 +241,7 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     if checkpoint:
         restore_training_state(checkpoint, run, args)
         log(f"resumed from {resume_from} at epoch {run.epoch + 1} step {checkpoint['step']}"
-            f"{changed_settings(checkpoint, args, run.samples)}")
+            f"{guard.changed_settings(checkpoint, args, run.samples)}")
         checkpoint.clear()  # the model and optimizer have what they need: free the rest (main() holds the dict)
     start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "") if args.weights else ""
     start += ", compiled (the first step compiles, which takes a while)" if args.compile else ""
@@ -320,25 +290,8 @@ def build_datasets(args):
     train += [] if args.no_flip else [v2.RandomHorizontalFlip()]
     # allow_empty: a class without validation images keeps its label (check_image_folder matched the folders).
     root = Path(args.data)
-    return (torchvision.datasets.ImageFolder(root / "train", v2.Compose(train), loader=read_image, allow_empty=True),
-            torchvision.datasets.ImageFolder(root / "val", v2.Compose(val), loader=read_image, allow_empty=True))
-
-
-class UnreadableImage(Exception):
-    """A file of --data that no decoder can read: damaged, truncated, or not an image."""
-
-
-def read_image(path):
-    """A file as 3-channel RGB uint8 (grayscale, CMYK and alpha alike): torchvision.io's decoders for the formats they
-    read (JPEG, PNG; GIF, WebP in newer ones), a third of PIL's time for JPEG; PIL for the others (BMP, TIFF, ...)."""
-    try:
-        image = decode_image(read_file(path), mode=ImageReadMode.RGB)
-    except RuntimeError:  # not a format torchvision.io reads, or a damaged file: PIL tells which
-        try:
-            image = v2.functional.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
-        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... for damaged files
-            raise UnreadableImage(f"{path} ({type(e).__name__}: {str(e).strip()})") from None
-    return image if image.dtype == torch.uint8 else v2.functional.to_dtype(image, torch.uint8, scale=True)
+    return (torchvision.datasets.ImageFolder(root / "train", v2.Compose(train), loader=guard.read_image, allow_empty=True),
+            torchvision.datasets.ImageFolder(root / "val", v2.Compose(val), loader=guard.read_image, allow_empty=True))
 
 
 def steps_per_epoch(train_set, args):
@@ -346,7 +299,7 @@ def steps_per_epoch(train_set, args):
     shard = math.ceil(len(train_set) / dist.get_world_size())
     steps = shard // (args.batch_size * args.accum_steps)
     if steps == 0:
-        fail(f"the train set ({len(train_set)} images over {dist.get_world_size()} ranks) is smaller than one step of "
+        guard.fail(f"the train set ({len(train_set)} images over {dist.get_world_size()} ranks) is smaller than one step of "
              f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} per rank")
     return steps
 
@@ -356,53 +309,15 @@ def build_model(args, checkpoint):
     """The bare model on the CPU, the same on every rank: from the checkpoint, else --weights, else --seed.
     Returns it, and the layers that --weights left new: a classifier for another number of classes."""
     torch.manual_seed(args.seed)
-    model = torchvision.models.get_model(args.arch, weights=None, num_classes=num_classes(args))
+    model = torchvision.models.get_model(args.arch, weights=None, num_classes=guard.num_classes(args))
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
     elif args.weights:
-        weights = named_weights(args)
-        state, new = fit_weights(weights.get_state_dict() if weights else read_weights_file(args.weights), model, args)
+        weights = guard.named_weights(args)
+        state, new = guard.fit_weights(weights.get_state_dict() if weights else guard.read_weights_file(args.weights), model, args)
         model.load_state_dict(state)
         return model, new
     return model, []
-
-
-def num_classes(args):
-    """--num-classes, or with --data ImageFolder's classes: the folders in train/."""
-    if args.data:
-        return len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
-    return args.num_classes
-
-
-def fit_weights(state, model, args):
-    """--weights' state dict, for `model`: every key, of the same shape, but the classifier's, which may be for another
-    number of classes; then the model keeps its new one. Returns the state to load, and the layers left new."""
-    own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
-    missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}  # weights before 0.4.1
-    if missing or theirs - own.keys():
-        fail(f"--weights {args.weights} does not fit --arch {args.arch}: missing keys {sorted(missing)[:3]}, "
-             f"unexpected keys {sorted(theirs - own.keys())[:3]}")
-    new = [key for key in theirs if state[key].shape != own[key].shape]
-    for key in new:
-        if state[key].shape[1:] != own[key].shape[1:] or own[key].shape[0] != num_classes(args):
-            fail(f"--weights {args.weights} does not fit --arch {args.arch}: {key} has shape "
-                 f"{list(state[key].shape)}, expected {list(own[key].shape)}")
-    return {**state, **{key: own[key] for key in new}}, sorted({key.rpartition(".")[0] for key in new})
-
-
-def fetch_weights(weights):
-    """Torchvision weights into torch's hub cache ($TORCH_HOME), downloaded once per machine: by its first process,
-    while the others wait in the gather; then every rank loads them from there."""
-    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
-    problem = None
-    if env_local_rank() == 0 and not path.is_file():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(weights.url, str(path), progress=False)
-        except Exception as e:
-            problem = (f"--weights {weights}: could not download {weights.url} ({type(e).__name__}: {e}); without a "
-                       f"network, place that file at {path}, or pass --weights PATH to a state dict")
-    stop_on_problems(gather_utils.all_gather_object(problem))
 
 
 def wrap_ddp(model, args, device, warmup_steps):
@@ -410,8 +325,7 @@ def wrap_ddp(model, args, device, warmup_steps):
         if device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         else:  # nn.SyncBatchNorm runs on GPUs only
-            from cpu_sync_bn import convert_to_cpu_sync_bn
-            model = convert_to_cpu_sync_bn(model)
+            model = guard.convert_to_cpu_sync_bn(model)
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     register_comm_hook(ddp, args.comm_hook, warmup_steps)
@@ -450,16 +364,6 @@ def build_optimizer(model, args):
     return optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
 
-def learning_rate(run, args, images_per_step):
-    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at --epochs. Placed by the
-    images trained, not the steps, so that a resume at another world size or batch goes on along the same curve."""
-    epochs_done = run.epoch + run.samples / (run.steps_per_epoch * images_per_step)
-    if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
-        return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
-    progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
-    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 # ---------------------------------------------------------------- 6. train and validate
 @dataclass
 class Training:
@@ -483,14 +387,14 @@ def fit(run, train_set, val_set, args, to_input, stop):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Its own generator seeds the workers: a loader must not draw from the global RNG, which a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=remaining_shard(sampler, run, args),
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=guard.remaining_shard(sampler, run, args),
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda", drop_last=True,
                             generator=torch.Generator().manual_seed(worker_seed))
         train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)
         if stopped:
             save_checkpoint(run, args)
             log(f"stopped by SIGTERM at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}; "
-                f"continue with --resume {last_checkpoint(args)}")
+                f"continue with --resume {guard.last_checkpoint(args)}")
             return
         run.epoch, run.samples, run.step = epoch + 1, 0, 0
         recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
@@ -504,19 +408,8 @@ def fit(run, train_set, val_set, args, to_input, stop):
             f"val_acc1 {metrics['val_acc1']:.2f}% val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images)"
             f" {record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} {record['epoch_seconds']:.1f} s")
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
-            log(f"stopped by SIGTERM after epoch {epoch + 1}; continue with --resume {last_checkpoint(args)}")
+            log(f"stopped by SIGTERM after epoch {epoch + 1}; continue with --resume {guard.last_checkpoint(args)}")
             return
-
-
-def remaining_shard(sampler, run, args):
-    """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every rank; sets run.step.
-    DistributedSampler deals the epoch's one order out in turn (rank r: entries r, r + world, ...), so the run.samples
-    trained before, at any world size and batch, are its first ones: each rank skips its share (docs/checkpoints.md)."""
-    world, rank, per_step = sampler.num_replicas, sampler.rank, args.batch_size * args.accum_steps
-    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before position run.samples
-    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step  # rank 0's: it skips the most
-    run.step = run.steps_per_epoch - steps_left
-    return list(sampler)[skip: skip + steps_left * per_step]
 
 
 def train_one_epoch(run, loader, args, to_input, stop):
@@ -529,7 +422,7 @@ def train_one_epoch(run, loader, args, to_input, stop):
     autocast = amp_context(args, to_input.device)
     batches, loss_sum = iter(loader), torch.zeros((), device=to_input.device)
     # (step, time, seconds waited for data, on the host: a GPU busy with queued steps is not idle), then at each line
-    marks = [(run.step, synced_clock(to_input.device), 0.0)]
+    marks = [(run.step, guard.synced_clock(to_input.device), 0.0)]
     upcoming, waited = next_step(batches, args, stop), time.perf_counter() - marks[0][1]
     while run.step < run.steps_per_epoch:
         if stop.agreed():
@@ -548,7 +441,7 @@ def train_one_epoch(run, loader, args, to_input, stop):
                 run.scaler.scale(loss / args.accum_steps).backward()
             # Detached: reducing the live loss would put the collective into the autograd graph.
             step_loss += loss.detach() / args.accum_steps
-        lr = learning_rate(run, args, images_per_step)
+        lr = guard.learning_rate(run, args, images_per_step)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         run.scaler.step(run.optimizer)
@@ -557,12 +450,12 @@ def train_one_epoch(run, loader, args, to_input, stop):
         run.step, run.samples = run.step + 1, run.samples + images_per_step
         loss_sum += step_loss
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
-            (line_step, line_began, line_waited), now = marks[-1], synced_clock(to_input.device)
+            (line_step, line_began, line_waited), now = marks[-1], guard.synced_clock(to_input.device)
             data = (waited - line_waited) / (now - line_began)  # the share of the time since the line before
             mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": data})
             if not math.isfinite(mean["loss"]):
-                fail(f"the loss is {mean['loss']} at epoch {run.epoch + 1} step {run.step}: training diverged; "
-                     f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is unchanged", code=1)
+                guard.fail(f"the loss is {mean['loss']} at epoch {run.epoch + 1} step {run.step}: training diverged; "
+                     f"lower --lr ({args.lr:g} now) or check the data; {guard.last_checkpoint(args)} is unchanged", code=1)
             rate = (run.step - line_step) * images_per_step / (now - line_began)
             total, done = args.epochs * run.steps_per_epoch, run.epoch * run.steps_per_epoch + run.step
             log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} ({done}/{total}) loss "
@@ -582,16 +475,10 @@ def next_step(batches, args, stop):
     """The next step's micro-batches; this rank's stop flags go on their way, with an image it could not read."""
     try:
         micro_batches, problem = [next(batches) for _ in range(args.accum_steps)], None
-    except UnreadableImage as e:
-        micro_batches, problem = [], unreadable(e)
+    except guard.UnreadableImage as e:
+        micro_batches, problem = [], guard.unreadable(e)
     stop.send(problem)
     return micro_batches
-
-
-def synced_clock(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # kernels run asynchronously: time what they did, not what was queued
-    return time.perf_counter()
 
 
 class ModelInput:
@@ -626,9 +513,9 @@ def validate(model, val_set, args, to_input):
             hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
             loss = F.cross_entropy(logits, labels, reduction="none")
             rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
-    except UnreadableImage as e:
-        problem = unreadable(e)
-    stop_on_problems(gather_utils.all_gather_object(problem))  # before the gather, which every rank must reach
+    except guard.UnreadableImage as e:
+        problem = guard.unreadable(e)
+    guard.stop_on_problems(gather_utils.all_gather_object(problem))  # before the gather, which every rank must reach
     rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices), len(val_set))
     loss, acc1, acc5 = rows.mean(dim=0).tolist()
     return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5, "val_samples": len(rows)}
@@ -672,8 +559,8 @@ def append_metrics(args, record):
 # ---------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
     """Rank 0 hands a copy of the training state, with each rank's random stream for a resume to continue, to its
-    writer thread, which writes last.pt while training goes on. Returns replica_checksums."""
-    checksums = replica_checksums(run, args)
+    writer thread, which writes last.pt while training goes on. Returns guard.replica_checksums."""
+    checksums = guard.replica_checksums(run, args)
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(),
                                           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
     if dist.get_rank() == 0:
@@ -683,37 +570,8 @@ def save_checkpoint(run, args):
                  "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
         if run.written:
             run.written.result()  # one write at a time: one copy of the state in memory, however slow the disk
-        run.written = run.writer.submit(write_atomically, on_host(state), last_checkpoint(args))
+        run.written = run.writer.submit(guard.write_atomically, guard.on_host(state), guard.last_checkpoint(args))
     return checksums
-
-
-def on_host(value):
-    """A copy in host memory of the tensors in nested dicts and lists, which training goes on changing in place."""
-    if isinstance(value, dict):
-        return {key: on_host(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [on_host(item) for item in value]
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-
-
-def write_atomically(state, path):
-    """To last.pt.tmp, flushed and fsynced, then renamed over last.pt: a kill at any moment leaves the old file or the
-    new one, never a torn one. A write that fails (a full disk) ends the process, with one line."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except Exception as e:  # on the writer thread, where sys.exit would end the thread only
-        say(f"error: rank 0: could not write {path} ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
-        os._exit(1)
-
-
-def last_checkpoint(args):
-    return Path(args.checkpoint_dir) / "last.pt"
 
 
 def restore_training_state(checkpoint, run, args):
@@ -734,266 +592,8 @@ def restore_training_state(checkpoint, run, args):
     run.epoch, run.samples = checkpoint["epoch"], checkpoint.get("samples", checkpoint["step"] * per_step)
 
 
-def changed_settings(checkpoint, args, samples):
-    """For the resume line: what this run changes, and then trains with: the batch over all ranks, the optimizer's."""
-    saved = f"{checkpoint['args']['batch_size']} x {checkpoint['args']['accum_steps']} x {checkpoint['world_size']}"
-    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
-    changed = [] if now == saved else [f"batch {now} (was {saved}; {samples} images of the epoch done)"]
-    changed += [f"--{name.replace('_', '-')} {getattr(args, name):g} (was {checkpoint['args'][name]:g})"
-                for name in ["lr", "momentum", "weight_decay"] if getattr(args, name) != checkpoint["args"][name]]
-    return f"; with {', '.join(changed)}" if changed else ""
-
-
 # =================================================================================================
 # What guards the story: bad input, failures, signals, and what the log reports.
-
-
-def env_local_rank():
-    """This process's rank on its machine, known before the process group exists."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-
-
-def fail(message, code=2):
-    """Bad input (exit 2), or a verdict on values all ranks gathered (1): each machine's first process says it."""
-    if env_local_rank() == 0:
-        say(f"error: {message}")
-    sys.exit(code)
-
-
-def rank_error(message, code=1):
-    """An error of this rank's own, which the others may not see: each rank says it, one line each."""
-    say(f"error: rank {world_from_env()[0]}: {message}")
-    sys.exit(code)
-
-
-def say(line):
-    """A line on stderr in one write, which the lines of other ranks on the same stream cannot split."""
-    sys.stderr.write(f"train_ddp.py: {line}\n")
-
-
-def check_args(args):
-    """Reject bad input before any process group exists, so nothing can hang on it."""
-    for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples", "image_size", "log_every"]:
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    if args.save_every is not None and args.save_every < 1:
-        fail(f"--save-every must be a positive number of optimizer steps, got {args.save_every}")
-    if args.num_classes < 2:
-        fail(f"--num-classes must be at least 2, got {args.num_classes}")
-    if args.workers < 0:
-        fail(f"--workers must be 0 or more, got {args.workers}")
-    for name in ["init_timeout", "collective_timeout"]:
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
-    check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
-    if args.backend == "nccl" and not torch.cuda.is_available():
-        fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
-    # torchrun and launch.sh's dry run say how many processes share this machine; torch's count heeds MIG and masks.
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
-        fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} GPUs are "
-             "visible; start at most one process per GPU")
-    if args.evaluate and not (args.resume or args.weights):
-        fail("--evaluate needs --resume PATH or --weights: the model to validate")
-    if args.resume and args.weights:
-        fail("--resume and --weights: a resume continues from its checkpoint's weights; expected one of them")
-    if args.comm_hook == "powersgd" and args.amp == "fp16":
-        fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would leave inf in "
-             "PowerSGD's error feedback and skip every later step; use --amp bf16")
-    if args.data:
-        check_image_folder(Path(args.data))
-    if args.weights and not named_weights(args):
-        with torch.device("meta"):  # shapes only
-            model = torchvision.models.get_model(args.arch, num_classes=num_classes(args))
-        fit_weights(read_weights_file(args.weights), model, args)
-    check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
-    if args.metrics_file:
-        check_writable(Path(args.metrics_file).parent, "--metrics-file")
-    check_shared_memory(args)
-
-
-def named_weights(args):
-    """The torchvision weights --weights names (IMAGENET1K_V2, DEFAULT, ResNet50_Weights.IMAGENET1K_V2), or None."""
-    if not args.weights or Path(args.weights).is_file():
-        return None
-    kinds = torchvision.models.get_model_weights(args.arch)
-    kind, _, name = args.weights.rpartition(".")
-    if kind not in ("", kinds.__name__) or name not in kinds.__members__:
-        fail(f"--weights {args.weights}: no such file, nor weights of --arch {args.arch}; expected a file or one of "
-             f"{', '.join(kinds.__members__)}")
-    return kinds[name]
-
-
-def read_weights_file(path):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--weights {path}: not a readable state dict ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
-    return state["model"] if isinstance(state, dict) and "model" in state else state  # a last.pt holds one
-
-
-def check_arch_trains(arch, image_size, training):
-    """A forward on the meta device (shapes only): a model that cannot train at this size, or returns more, fails."""
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
-        try:
-            model = torchvision.models.get_model(arch, weights=None, num_classes=2)
-        except Exception:  # a few (the regnets) compute while they build, which meta cannot: not checked
-            return
-        try:
-            out = model.train(training)(torch.empty(2, 3, image_size, image_size))
-        except Exception as e:
-            fail(f"--arch {arch} cannot train on {image_size} px images ({type(e).__name__}: "
-                 f"{str(e).strip().splitlines()[0]}); expected a larger --image-size or another --arch")
-    if not isinstance(out, torch.Tensor):
-        fail(f"--arch {arch} returns {type(out).__name__}, not logits; expected another --arch")
-
-
-def check_writable(directory, flag):
-    """Fail now rather than after an epoch of training, at the first save."""
-    existing = next(d for d in [directory, *directory.parents] if d.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        fail(f"{flag}: cannot write under {existing}; expected a writable directory")
-
-
-def check_shared_memory(args):
-    """DataLoader workers hand batches over in /dev/shm: running out (a container's 64 MB) kills them mid-epoch."""
-    if args.workers == 0 or not os.path.isdir("/dev/shm"):
-        return
-    # The processes of this machine: torchrun's count, else the most srun tasks on one node ("8(x2),4").
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(
-        int(tasks.split("(")[0]) for tasks in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(","))
-    shm = os.statvfs("/dev/shm")
-    free_mb = shm.f_bavail * shm.f_frsize / 2**20
-    batch_mb = args.batch_size * 3 * args.image_size**2 / 2**20  # uint8 images
-    # Each worker prefetches 2 batches (DataLoader's default), and the process holds a step's micro-batches.
-    batches = 2 * args.workers + args.accum_steps
-    need_mb = local_world_size * batches * batch_mb
-    if need_mb > free_mb:
-        fail(f"--workers {args.workers}: {local_world_size} process(es) x {batches} batches of "
-             f"{batch_mb:.0f} MB need {need_mb:.0f} MB of /dev/shm, which has {free_mb:.0f} MB free; expected "
-             "fewer --workers, a smaller --batch-size, or a larger /dev/shm (docker run --shm-size=8g)")
-
-
-def check_image_folder(root):
-    if not root.is_dir():
-        fail(f"--data {root}: no such directory; expected an ImageFolder root with train/ and val/")
-    for split in ["train", "val"]:
-        files = (name.lower() for _, _, names in os.walk(root / split) for name in names)
-        if not any(name.endswith(torchvision.datasets.folder.IMG_EXTENSIONS) for name in files):
-            fail(f"--data {root}: {root / split} holds no images; expected {root / split}/<class>/<image>.jpg")
-    # ImageFolder numbers the classes of each split by its own folder names.
-    train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()} for split in ["train", "val"])
-    if train != val:
-        fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels differ "
-             f"(only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
-
-
-def init_failure(error, args, world_size, address):
-    """Why the process group did not form, in one line that says what to change."""
-    text = str(error)
-    duplicate = [line.strip() for line in text.splitlines() if "Duplicate GPU" in line]
-    if duplicate:  # NCCL: two processes that see the same single GPU, e.g. SLURM tasks without GPU binding
-        return (f"two ranks share one GPU ({duplicate[0]}); give each process a GPU of its own "
-                "(srun --gpus-per-task=1, or one launch.sh per node)")
-    reason = text.strip().splitlines()[0]
-    if "gloo" in text.lower():
-        reason += ("; gloo finds its network interface from the hostname and ignores NCCL_SOCKET_IFNAME: "
-                   "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
-    return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "
-            f"expected WORLD_SIZE={world_size} ranks at {address}, and not all came or could connect ({reason})")
-
-
-def raise_nccl_timeouts(args):
-    """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's flight recorder
-    beside the checkpoints and aborts NCCL, so that the next collective raises for process_group()'s one line."""
-    Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    settings = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")}
-    for name, value in settings.items():
-        os.environ.setdefault(name, value)
-
-
-def check_same_start(checkpoint):
-    """Every rank must resume from the same checkpoint (nodes with disks of their own may not), or the ranks hang."""
-    start = "a fresh start"
-    if checkpoint is not None:
-        weights = hashlib.blake2b(digest_size=6)
-        for tensor in checkpoint["model"].values():
-            weights.update(tensor.reshape(-1).view(torch.uint8).numpy())
-        start = f"epoch {checkpoint['epoch']} step {checkpoint['step']}, weights {weights.hexdigest()}"
-    ranks_by_start = {}
-    for rank, other in enumerate(gather_utils.all_gather_object(start)):
-        ranks_by_start.setdefault(other, []).append(str(rank))
-    if len(ranks_by_start) > 1:
-        where = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {text}"
-                          for text, ranks in ranks_by_start.items())
-        fail(f"the ranks would resume from different checkpoints ({where}); give every node the same --resume "
-             "file, and a --checkpoint-dir they all see (a shared filesystem)")
-
-
-class StopAgreement:
-    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before every optimizer
-    step, and after each validation but the last, the ranks agree, so that one rank's SIGTERM, or an image it cannot
-    read, stops all at the same point: an all-reduce of two flags on the CPU backend, which never waits for the GPU."""
-
-    def __init__(self):
-        self.requested = False  # set by the handler, which Python runs in the main thread
-        signal.signal(signal.SIGTERM, self.note)
-        self.flags, self.sent, self.problem = torch.zeros(2, dtype=torch.int32), None, None
-
-    def note(self, signum, frame):
-        self.requested = True
-        # Ignored from now: a second one (SLURM and launch.sh may send several) cannot kill the process as it exits.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-    def send(self, problem=None):
-        """Start this rank's flags on their way: a SIGTERM noted so far, and whether it has a `problem`."""
-        self.problem = problem
-        self.flags[0].fill_(self.requested)
-        self.flags[1].fill_(problem is not None)
-        self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
-
-    def agreed(self):
-        """Whether to stop, by the flags sent last (or now): for a SIGTERM on any rank; for a problem, all exit."""
-        if self.sent is None:
-            self.send()
-        self.sent.wait()
-        self.sent = None
-        sigterm, problems = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
-        if problems:
-            stop_on_problems(gather_utils.all_gather_object(self.problem))
-        return bool(sigterm)
-
-
-def stop_on_problems(problems):
-    """Every rank's problem (or None), as every rank gathered them. If any has one, each rank that has it says so,
-    rank 0 says who, and all exit 1 together, instead of leaving the others waiting in their next collective."""
-    failed = [rank for rank, problem in enumerate(problems) if problem]
-    if problems[dist.get_rank()]:
-        rank_error(problems[dist.get_rank()])
-    if failed:
-        if dist.get_rank() == 0:
-            say(f"error: rank 0: stopping: rank {', '.join(map(str, failed))} failed (see above)")
-        sys.exit(1)
-
-
-def unreadable(error):
-    """The line for an UnreadableImage, also one that a DataLoader worker raised (its text ends with ours)."""
-    return f"cannot read {str(error).rsplit('UnreadableImage: ', 1)[-1].strip()}; remove or replace that file"
-
-
-def replica_checksums(run, args):
-    """Each rank's parameter checksum, which DDP keeps equal: a difference (a broken sync), or nan, stops every rank."""
-    checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(run.model.parameters())).item()
-    checksums = gather_utils.all_gather_object(checksum)
-    if not all(map(math.isfinite, checksums)):
-        fail(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} (checksums per rank: "
-             f"{checksums}): training diverged; lower --lr or check the data; {last_checkpoint(args)} is unchanged", 1)
-    if len(set(checksums)) != 1:
-        fail(f"the model replicas diverged (parameter checksums per rank: {checksums}); expected equal ones", 1)
-    return checksums
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
+import guard
 import train_ddp
 
 VARIANTS = ["no save", "save every step (async)", "save every K steps (async)", "save every step, synchronous"]
@@ -61,7 +62,7 @@ def bench(args, train_args, device):
     data = train_ddp.SyntheticImages(args.batch_size, 10, args.image_size, seed=0, split="train")
     images, labels = zip(*(data[i] for i in range(args.batch_size)))
     batch = train_ddp.ModelInput(train_args, device)(torch.stack(images), torch.tensor(labels))
-    path = train_ddp.last_checkpoint(train_args)
+    path = guard.last_checkpoint(train_args)
 
     def step():  # as train_one_epoch's, for one micro-batch and no autocast
         loss = F.cross_entropy(run.model(batch[0]), batch[1])
@@ -103,9 +104,9 @@ def bench(args, train_args, device):
             windows[variant].append(seconds / args.every)
             if variant in (VARIANTS[2], VARIANTS[3]):  # the writer was idle at each of these calls
                 idle_calls += calls
-        state = train_ddp.on_host({"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict()})
+        state = guard.on_host({"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict()})
         began = time.perf_counter()
-        train_ddp.write_atomically(state, path)
+        guard.write_atomically(state, path)
         writes.append(time.perf_counter() - began)
         del state
     run.writer.shutdown()

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
 import gather_utils
+import guard
 import train_ddp
 
 DESIGNS = ["no agreement", "all_gather_object before the step", "flags sent ahead"]
@@ -53,7 +54,7 @@ def worker(args):
     model = DDP(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = torch.randn(16, 32), torch.randint(0, 10, (16,))
-    stop = train_ddp.StopAgreement()
+    stop = guard.StopAgreement()
     steps_args = argparse.Namespace(accum_steps=1)
 
     def step(micro_batches):

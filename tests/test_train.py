@@ -156,14 +156,14 @@ def test_validation_preprocessing_equals_pil_within_one_level(tmp_path):
 def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
     # JPEG (also grayscale and CMYK) and PNG (also with alpha) by torchvision.io, BMP by PIL: 3-channel uint8, the
     # pixels PIL gives (JPEG within one level: two libjpeg builds); damaged files raise UnreadableImage naming the file.
-    import train_ddp
+    import guard
     from PIL import Image
 
     pixels = noise_image(24, 40)(0, 0).numpy()
     for name, mode, tolerance in [("rgb.jpg", "RGB", 1), ("gray.jpg", "L", 1), ("cmyk.jpg", "CMYK", 1),
                                   ("rgba.png", "RGBA", 0), ("palette.png", "P", 0), ("rgb.bmp", "RGB", 0)]:
         Image.fromarray(pixels).convert(mode).save(tmp_path / name, quality=95)
-        image = train_ddp.read_image(tmp_path / name)
+        image = guard.read_image(tmp_path / name)
         want = torch.from_numpy(np.array(Image.open(tmp_path / name).convert("RGB"))).permute(2, 0, 1)
         assert image.dtype == torch.uint8 and image.shape == (3, 24, 40), name
         assert (image.int() - want.int()).abs().max() <= tolerance, name
@@ -171,8 +171,8 @@ def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
     (tmp_path / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     (tmp_path / "text.jpg").write_text("not an image")
     for name, reason in [("truncated.jpg", "truncated"), ("text.jpg", "cannot identify image file")]:
-        with pytest.raises(train_ddp.UnreadableImage, match=f"{tmp_path / name} .*{reason}"):
-            train_ddp.read_image(tmp_path / name)
+        with pytest.raises(guard.UnreadableImage, match=f"{tmp_path / name} .*{reason}"):
+            guard.read_image(tmp_path / name)
 
 
 def test_uint8_batches_reach_the_model_as_normalized_float():
@@ -217,7 +217,8 @@ def test_check_syncs_finds_a_host_wait_in_a_step(tmp_path):
     planted = source.replace("        loss_sum += step_loss\n", "        loss_sum += step_loss.item()\n")
     assert planted != source
     (tmp_path / "tools").mkdir()
-    for name, text in [("train_ddp.py", planted), ("gather_utils.py", None), ("tools/check_syncs.py", None)]:
+    for name, text in [("train_ddp.py", planted), ("guard.py", None), ("gather_utils.py", None),
+                       ("tools/check_syncs.py", None)]:
         (tmp_path / name).write_text(text or (ROOT / name).read_text())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(tmp_path / "tools" / "check_syncs.py"), *CHECK_SYNCS, "--epochs", "1", "--checkpoint-dir", tmp_path]
@@ -377,7 +378,7 @@ def test_remaining_shard_trains_each_image_of_the_epoch_once_at_another_world_si
     # An epoch of 96 images cut after a few optimizer steps of (world size, batch, accumulation) `before`, resumed at
     # `after`: the images trained are the epoch's own, each once, and all of them where the new step divides what is
     # left, as in an uninterrupted epoch; otherwise all but a tail shorter than one new step (3to2-tail: 36 + 56).
-    import train_ddp
+    import guard
     images, epoch = list(range(96)), 5
     whole = DistributedSampler(images, num_replicas=1, rank=0, seed=0)
     whole.set_epoch(epoch)
@@ -390,7 +391,7 @@ def test_remaining_shard_trains_each_image_of_the_epoch_once_at_another_world_si
             sampler = DistributedSampler(images, num_replicas=world, rank=rank, seed=0)
             sampler.set_epoch(epoch)
             run = SimpleNamespace(samples=samples, steps_per_epoch=len(sampler) // (batch * accum))
-            yield train_ddp.remaining_shard(sampler, run, args), run.step
+            yield guard.remaining_shard(sampler, run, args), run.step
 
     cut_steps = {(2, 4, 1): 6, (4, 2, 1): 5, (3, 4, 1): 2, (3, 2, 2): 3}[before]
     done = [i for shard, _ in shards(before, 0) for i in shard[: cut_steps * before[1] * before[2]]]

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train_ddp.py, gather_utils.py
 
+import guard
 import train_ddp
 
 HOST_WAITS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default}
@@ -69,7 +70,7 @@ def main():
     else:
         with HostWaits(found):
             train_ddp.main()
-    rank = train_ddp.world_from_env()[0]
+    rank = guard.world_from_env()[0]
     for what, stack in found:
         sys.stderr.write(f"check_syncs.py: rank {rank}: the host waits between log lines: {what}\n{''.join(stack)}")
     print(f"check_syncs.py: rank {rank}: {len(found)} host waits between log lines", flush=True)
