@@ -297,7 +297,7 @@ print('NOTE', line[line.index('a collective'):][:150])"
 # group ends as train_ddp.py's does, the model freed first (a model alive at destroy_process_group() was the recipe
 # of the exit hang of torch < 2.14).  [25]
 cat >"$work/shared_device.py" <<'EOF'
-import argparse, os, torch, torch.nn.functional as F, torchvision, train_ddp
+import argparse, os, torch, torch.nn.functional as F, torchvision, guard, train_ddp
 args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none", compile=False, backend="gloo",
                           init_timeout=60, collective_timeout=120, checkpoint_dir=os.path.dirname(__file__))
 def trained(model, x, y, device):
@@ -316,7 +316,7 @@ def main():
     ddp = train_ddp.wrap_ddp(torchvision.models.resnet18(num_classes=10), args, device, warmup_steps=0)
     mine = slice(8 * rank, 8 * rank + 8)
     run = argparse.Namespace(model=trained(ddp, images[mine], labels[mine], device), epoch=0, step=3)
-    checksums = train_ddp.replica_checksums(run, args)
+    checksums = guard.replica_checksums(run, args)
     torch.manual_seed(0)
     single = trained(torchvision.models.resnet18(num_classes=10).to(device), images, labels, device).state_dict()
     for key, value in ddp.module.state_dict().items():

@@ -1,9 +1,13 @@
-"""What guards a train_ddp.py run, kept out of its story: argument and file checks, the one-line failures,
-the ranks' agreement to stop (SIGTERM, an unreadable image), elastic resume bookkeeping (run ids, the rest of a
-shard, the learning rate placed by images), the atomic checkpoint write, NCCL's settings, batch norm synced on CPUs.
+"""What keeps a train_ddp.py run safe, out of its story: argument and file checks, the one-line
+failures, the ranks' agreement to stop (a SIGTERM, an unreadable image), resume bookkeeping (run
+ids, the rest of a shard, the learning rate placed by images), the atomic checkpoint writer, NCCL's
+settings, the log lines, precise batch norm, and batch norm synced on CPUs.
 
-Copy it beside train_ddp.py and gather_utils.py, and keep it as it is: train_ddp.py calls it as guard.NAME.
+Copy it beside train_ddp.py and gather_utils.py and keep it as it is; train_ddp.py calls it as
+guard.NAME. Every function here gives its answer in one process without a process group too, except
+those that say they gather (every rank must call them).
 """
+import datetime
 import hashlib
 import math
 import os
@@ -11,6 +15,8 @@ import signal
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,30 +24,40 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torchvision
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.optim.swa_utils import update_bn
+from torch.utils.data import DataLoader
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
 import gather_utils
 
+BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 
 
+# ------------------------------------------------------------------------- one-line failures
 def say(line):
-    """A line on stderr in one write, which the lines of other ranks on the same stream cannot split."""
+    """A line on stderr in one write, which other ranks' lines on the same stream cannot split."""
     sys.stderr.write(f"train_ddp.py: {line}\n")
 
 
 def fail(message, code=2):
-    """Bad input (exit 2), or a verdict on values all ranks gathered (1): each machine's first process says it."""
+    """Bad input (exit 2), or a verdict on values all ranks gathered (1): each machine's first
+    process says it."""
     if env_local_rank() == 0:
         say(f"error: {message}")
     sys.exit(code)
 
 
 def rank_error(message, code=1):
-    """An error of this rank's own, which the others may not see: each rank says it, one line each."""
+    """An error of this rank's own, which the others may not see: each rank says it, one line."""
     say(f"error: rank {world_from_env()[0]}: {message}")
     sys.exit(code)
+
+
+def first_line(error):
+    return str(error).strip().splitlines()[0]
 
 
 def env_local_rank():
@@ -50,7 +66,8 @@ def env_local_rank():
 
 
 def world_from_env():
-    """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID), else one process."""
+    """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID),
+    else one process."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if "SLURM_STEP_ID" in os.environ:
@@ -58,11 +75,33 @@ def world_from_env():
     return 0, 1
 
 
+# -------------------------------------------------------------------- arguments and files
+def settle_args(args, device_defaults):
+    """The arguments completed: --weights' recipe sizes (the sizes its weights were published with),
+    else this device's defaults; validation's resize; the backend. Then checked."""
+    args.image_size_given = args.image_size is not None
+    weights = named_weights(args)
+    if weights and args.image_size is None:
+        recipe = weights.transforms()
+        args.image_size, args.resize = recipe.crop_size[0], recipe.resize_size[0]
+        args.interpolation = recipe.interpolation.value
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, value in device_defaults[device_type].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.resize = args.resize or args.image_size * 256 // 224
+    if args.backend == "auto":
+        args.backend = "nccl" if device_type == "cuda" else "gloo"
+    check_args(args)
+    return args
+
+
 def check_args(args):
-    """Reject bad input before any process group exists, so nothing can hang on it."""
-    for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples", "image_size", "log_every"]:
+    """Reject bad input before any process group exists, so that nothing can hang on it."""
+    for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples",
+                 "image_size", "log_every"]:
         if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+            fail(f"--{dashed(name)} must be a positive integer, got {getattr(args, name)}")
     if args.save_every is not None and args.save_every < 1:
         fail(f"--save-every must be a positive number of optimizer steps, got {args.save_every}")
     if args.num_classes < 2:
@@ -71,22 +110,25 @@ def check_args(args):
         fail(f"--workers must be 0 or more, got {args.workers}")
     for name in ["init_timeout", "collective_timeout"]:
         if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+            fail(f"--{dashed(name)} must be a positive number of seconds, "
+                 f"got {getattr(args, name)}")
     check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
-    # torchrun and launch.sh's dry run say how many processes share this machine; torch's count heeds MIG and masks.
+    # torchrun and launch.sh's dry run say how many processes share this machine; torch's count
+    # of GPUs heeds MIG and masks.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
-        fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} GPUs are "
-             "visible; start at most one process per GPU")
+        fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} "
+             "GPUs are visible; start at most one process per GPU")
     if args.evaluate and not (args.resume or args.weights):
         fail("--evaluate needs --resume PATH or --weights: the model to validate")
     if args.resume and args.weights:
-        fail("--resume and --weights: a resume continues from its checkpoint's weights; expected one of them")
+        fail("--resume and --weights: a resume continues from its checkpoint's weights; "
+             "expected one of them")
     if args.comm_hook == "powersgd" and args.amp == "fp16":
-        fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would leave inf in "
-             "PowerSGD's error feedback and skip every later step; use --amp bf16")
+        fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would "
+             "leave inf in PowerSGD's error feedback and skip every later step; use --amp bf16")
     if args.data:
         check_image_folder(Path(args.data))
     if args.weights and not named_weights(args):
@@ -99,19 +141,24 @@ def check_args(args):
     check_shared_memory(args)
 
 
+def dashed(name):
+    return name.replace("_", "-")
+
+
 def check_arch_trains(arch, image_size, training):
-    """A forward on the meta device (shapes only): a model that cannot train at this size, or returns more, fails."""
+    """A forward on the meta device (shapes only): a model that cannot train at this size, or
+    returns more than logits, fails."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
         try:
             model = torchvision.models.get_model(arch, weights=None, num_classes=2)
-        except Exception:  # a few (the regnets) compute while they build, which meta cannot: not checked
+        except Exception:  # a few (the regnets) compute while they build: not checked
             return
         try:
             out = model.train(training)(torch.empty(2, 3, image_size, image_size))
         except Exception as e:
             fail(f"--arch {arch} cannot train on {image_size} px images ({type(e).__name__}: "
-                 f"{str(e).strip().splitlines()[0]}); expected a larger --image-size or another --arch")
+                 f"{first_line(e)}); expected a larger --image-size or another --arch")
     if not isinstance(out, torch.Tensor):
         fail(f"--arch {arch} returns {type(out).__name__}, not logits; expected another --arch")
 
@@ -124,22 +171,25 @@ def check_writable(directory, flag):
 
 
 def check_shared_memory(args):
-    """DataLoader workers hand batches over in /dev/shm: running out (a container's 64 MB) kills them mid-epoch."""
+    """DataLoader workers hand batches over in /dev/shm: running out (a container's 64 MB) kills
+    them mid-epoch."""
     if args.workers == 0 or not os.path.isdir("/dev/shm"):
         return
-    # The processes of this machine: torchrun's count, else the most srun tasks on one node ("8(x2),4").
+    # This machine's processes: torchrun's count, else the most srun tasks on a node ("8(x2),4").
+    srun_tasks = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(",")
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(
-        int(tasks.split("(")[0]) for tasks in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(","))
+        int(tasks.split("(")[0]) for tasks in srun_tasks)
     shm = os.statvfs("/dev/shm")
     free_mb = shm.f_bavail * shm.f_frsize / 2**20
     batch_mb = args.batch_size * 3 * args.image_size**2 / 2**20  # uint8 images
-    # Each worker prefetches 2 batches (DataLoader's default), and the process holds a step's micro-batches.
+    # Each worker prefetches 2 batches (DataLoader's default); the process holds a step's batches.
     batches = 2 * args.workers + args.accum_steps
     need_mb = local_world_size * batches * batch_mb
     if need_mb > free_mb:
         fail(f"--workers {args.workers}: {local_world_size} process(es) x {batches} batches of "
-             f"{batch_mb:.0f} MB need {need_mb:.0f} MB of /dev/shm, which has {free_mb:.0f} MB free; expected "
-             "fewer --workers, a smaller --batch-size, or a larger /dev/shm (docker run --shm-size=8g)")
+             f"{batch_mb:.0f} MB need {need_mb:.0f} MB of /dev/shm, which has {free_mb:.0f} MB "
+             "free; expected fewer --workers, a smaller --batch-size, or a larger /dev/shm "
+             "(docker run --shm-size=8g)")
 
 
 def check_image_folder(root):
@@ -148,32 +198,14 @@ def check_image_folder(root):
     for split in ["train", "val"]:
         files = (name.lower() for _, _, names in os.walk(root / split) for name in names)
         if not any(name.endswith(torchvision.datasets.folder.IMG_EXTENSIONS) for name in files):
-            fail(f"--data {root}: {root / split} holds no images; expected {root / split}/<class>/<image>.jpg")
+            fail(f"--data {root}: {root / split} holds no images; "
+                 f"expected {root / split}/<class>/<image>.jpg")
     # ImageFolder numbers the classes of each split by its own folder names.
-    train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()} for split in ["train", "val"])
+    train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()}
+                  for split in ["train", "val"])
     if train != val:
-        fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels differ "
-             f"(only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
-
-
-def named_weights(args):
-    """The torchvision weights --weights names (IMAGENET1K_V2, DEFAULT, ResNet50_Weights.IMAGENET1K_V2), or None."""
-    if not args.weights or Path(args.weights).is_file():
-        return None
-    kinds = torchvision.models.get_model_weights(args.arch)
-    kind, _, name = args.weights.rpartition(".")
-    if kind not in ("", kinds.__name__) or name not in kinds.__members__:
-        fail(f"--weights {args.weights}: no such file, nor weights of --arch {args.arch}; expected a file or one of "
-             f"{', '.join(kinds.__members__)}")
-    return kinds[name]
-
-
-def read_weights_file(path):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--weights {path}: not a readable state dict ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
-    return state["model"] if isinstance(state, dict) and "model" in state else state  # a last.pt holds one
+        fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels "
+             f"differ (only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
 
 
 def num_classes(args):
@@ -183,25 +215,61 @@ def num_classes(args):
     return args.num_classes
 
 
+# ------------------------------------------------------------------------------ --weights
+def named_weights(args):
+    """The torchvision weights --weights names (IMAGENET1K_V2, DEFAULT,
+    ResNet50_Weights.IMAGENET1K_V2), or None."""
+    if not args.weights or Path(args.weights).is_file():
+        return None
+    kinds = torchvision.models.get_model_weights(args.arch)
+    kind, _, name = args.weights.rpartition(".")
+    if kind not in ("", kinds.__name__) or name not in kinds.__members__:
+        fail(f"--weights {args.weights}: no such file, nor weights of --arch {args.arch}; "
+             f"expected a file or one of {', '.join(kinds.__members__)}")
+    return kinds[name]
+
+
+def read_weights_file(path):
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"--weights {path}: not a readable state dict ({type(e).__name__}: {first_line(e)})")
+    return state["model"] if isinstance(state, dict) and "model" in state else state  # a last.pt's
+
+
+def weights_for(model, args):
+    """--weights' state dict for `model`, and the layers left new (see fit_weights)."""
+    weights = named_weights(args)
+    state = weights.get_state_dict() if weights else read_weights_file(args.weights)
+    return fit_weights(state, model, args)
+
+
 def fit_weights(state, model, args):
-    """--weights' state dict, for `model`: every key, of the same shape, but the classifier's, which may be for another
-    number of classes; then the model keeps its new one. Returns the state to load, and the layers left new."""
+    """--weights' state dict, for `model`: every key, of the same shape, but the classifier's, which
+    may be for another number of classes: then the model keeps its new one. Returns the state to
+    load, and the layers left new."""
     own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
-    missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}  # weights before 0.4.1
+    # num_batches_tracked: weights saved before torch 0.4.1 lack it.
+    missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}
     if missing or theirs - own.keys():
-        fail(f"--weights {args.weights} does not fit --arch {args.arch}: missing keys {sorted(missing)[:3]}, "
-             f"unexpected keys {sorted(theirs - own.keys())[:3]}")
+        fail(f"--weights {args.weights} does not fit --arch {args.arch}: missing keys "
+             f"{sorted(missing)[:3]}, unexpected keys {sorted(theirs - own.keys())[:3]}")
     new = [key for key in theirs if state[key].shape != own[key].shape]
     for key in new:
         if state[key].shape[1:] != own[key].shape[1:] or own[key].shape[0] != num_classes(args):
             fail(f"--weights {args.weights} does not fit --arch {args.arch}: {key} has shape "
                  f"{list(state[key].shape)}, expected {list(own[key].shape)}")
-    return {**state, **{key: own[key] for key in new}}, sorted({key.rpartition(".")[0] for key in new})
+    new_layers = sorted({key.rpartition(".")[0] for key in new})
+    return {**state, **{key: own[key] for key in new}}, new_layers
 
 
-def fetch_weights(weights):
-    """Torchvision weights into torch's hub cache ($TORCH_HOME), downloaded once per machine: by its first process,
-    while the others wait in the gather; then every rank loads them from there."""
+def fetch_weights(args):
+    """The torchvision weights --weights names, if it names them, into torch's hub cache
+    ($TORCH_HOME): downloaded once per machine by its first process while the others wait in the
+    gather; then every rank loads them from there. Gathers: every rank must call it."""
+    weights = named_weights(args)
+    if weights is None:
+        return
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
     problem = None
     if env_local_rank() == 0 and not path.is_file():
@@ -209,81 +277,143 @@ def fetch_weights(weights):
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.hub.download_url_to_file(weights.url, str(path), progress=False)
         except Exception as e:
-            problem = (f"--weights {weights}: could not download {weights.url} ({type(e).__name__}: {e}); without a "
-                       f"network, place that file at {path}, or pass --weights PATH to a state dict")
+            problem = (f"--weights {weights}: could not download {weights.url} "
+                       f"({type(e).__name__}: {e}); without a network, place that file at {path}, "
+                       "or pass --weights PATH to a state dict")
     stop_on_problems(gather_utils.all_gather_object(problem))
 
 
+# --------------------------------------------------------------------------------- images
 class UnreadableImage(Exception):
     """A file of --data that no decoder can read: damaged, truncated, or not an image."""
 
 
 def read_image(path):
-    """A file as 3-channel RGB uint8 (grayscale, CMYK and alpha alike): torchvision.io's decoders for the formats they
-    read (JPEG, PNG; GIF, WebP in newer ones), a third of PIL's time for JPEG; PIL for the others (BMP, TIFF, ...)."""
+    """A file as 3-channel RGB uint8 (grayscale, CMYK and alpha alike): torchvision.io's decoders
+    for the formats they read (JPEG, PNG; GIF, WebP in newer ones), a third of PIL's time for JPEG;
+    PIL for the others (BMP, TIFF, ...)."""
     try:
         image = decode_image(read_file(path), mode=ImageReadMode.RGB)
     except RuntimeError:  # not a format torchvision.io reads, or a damaged file: PIL tells which
         try:
             image = v2.functional.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
-        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... for damaged files
+        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... when damaged
             raise UnreadableImage(f"{path} ({type(e).__name__}: {str(e).strip()})") from None
-    return image if image.dtype == torch.uint8 else v2.functional.to_dtype(image, torch.uint8, scale=True)
+    if image.dtype != torch.uint8:
+        image = v2.functional.to_dtype(image, torch.uint8, scale=True)
+    return image
 
 
 def unreadable(error):
-    """The line for an UnreadableImage, also one that a DataLoader worker raised (its text ends with ours)."""
-    return f"cannot read {str(error).rsplit('UnreadableImage: ', 1)[-1].strip()}; remove or replace that file"
+    """The line for an UnreadableImage, also one a DataLoader worker raised (its text ends with
+    ours)."""
+    path = str(error).rsplit("UnreadableImage: ", 1)[-1].strip()
+    return f"cannot read {path}; remove or replace that file"
+
+
+# ----------------------------------------------------------------- the device, the process group
+def gpu_index(local_rank):
+    """The GPU this process takes: its local rank's, or the only one an srun task with one GPU per
+    task sees, whatever its local rank."""
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.device_count() == 1 and local_world_size == 1:
+        return 0
+    if local_rank >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
+        rank_error(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are "
+                   "visible; start at most one process per GPU", code=2)
+    return local_rank
 
 
 def raise_nccl_timeouts(args):
-    """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's flight recorder
-    beside the checkpoints and aborts NCCL, so that the next collective raises for process_group()'s one line."""
+    """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's
+    flight recorder beside the checkpoints and aborts NCCL, so that the next collective raises for
+    collective_failed()'s one line."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
     settings = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")}
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
     for name, value in settings.items():
         os.environ.setdefault(name, value)
 
 
-def init_failure(error, args, world_size, address):
+def check_master_env():
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both "
+             "(docs/launching.md)")
+
+
+def store_of_this_attempt(store):
+    """torchrun's own store outlives a restart (MAX_RESTARTS) with the last attempt's keys: without
+    a prefix per attempt the group hangs. launch.sh's elastic job gets a new store each round, and a
+    node that joins counts no restarts: there, the store as it is."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def init_failure(error, args, world_size):
     """Why the process group did not form, in one line that says what to change."""
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     text = str(error)
     duplicate = [line.strip() for line in text.splitlines() if "Duplicate GPU" in line]
-    if duplicate:  # NCCL: two processes that see the same single GPU, e.g. SLURM tasks without GPU binding
+    if duplicate:  # NCCL: two processes that see one GPU, e.g. SLURM tasks without GPU binding
         return (f"two ranks share one GPU ({duplicate[0]}); give each process a GPU of its own "
                 "(srun --gpus-per-task=1, or one launch.sh per node)")
-    reason = text.strip().splitlines()[0]
+    reason = first_line(text)
     if "gloo" in text.lower():
-        reason += ("; gloo finds its network interface from the hostname and ignores NCCL_SOCKET_IFNAME: "
-                   "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
+        reason += ("; gloo finds its network interface from the hostname and ignores "
+                   "NCCL_SOCKET_IFNAME: set GLOO_SOCKET_IFNAME to the interface the nodes reach "
+                   "each other on")
     return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "
-            f"expected WORLD_SIZE={world_size} ranks at {address}, and not all came or could connect ({reason})")
+            f"expected WORLD_SIZE={world_size} ranks at {address}, and not all came or could "
+            f"connect ({reason})")
+
+
+def set_collective_timeout(seconds):
+    # torch 2.3 keeps set_timeout under a private name.
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(datetime.timedelta(seconds=seconds))
+
+
+def collective_failed(error, args):
+    """A collective that failed because a rank is gone (gloo's connections closed or timed out,
+    NCCL's error): one line from each rank, naming its flight recorder's dump on NCCL, and exit 1.
+    Any other error is raised as it is."""
+    if "gloo/transport" not in str(error) and not isinstance(error, dist.DistBackendError):
+        raise error
+    trace = Path(os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "") + str(dist.get_rank()))
+    recorded = f"; its last collectives: {trace} (every rank's: torchfrtrace {trace.parent})"
+    rank_error(f"a collective failed: another rank stopped, or stopped answering for "
+               f"--collective-timeout {args.collective_timeout:g} s; look for its own error "
+               f"({first_line(error)})" + (recorded if trace.is_file() else ""))
 
 
 def check_same_start(checkpoint):
-    """Every rank must resume from the same checkpoint (nodes with disks of their own may not), or the ranks hang."""
+    """Every rank must resume from the same checkpoint (nodes with disks of their own may not), or
+    the ranks hang. Gathers: every rank must call it."""
     start = "a fresh start"
     if checkpoint is not None:
         weights = hashlib.blake2b(digest_size=6)
         for tensor in checkpoint["model"].values():
             weights.update(tensor.reshape(-1).view(torch.uint8).numpy())
-        start = f"epoch {checkpoint['epoch']} step {checkpoint['step']}, weights {weights.hexdigest()}"
+        start = (f"epoch {checkpoint['epoch']} step {checkpoint['step']}, "
+                 f"weights {weights.hexdigest()}")
     ranks_by_start = {}
     for rank, other in enumerate(gather_utils.all_gather_object(start)):
         ranks_by_start.setdefault(other, []).append(str(rank))
     if len(ranks_by_start) > 1:
         where = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {text}"
                           for text, ranks in ranks_by_start.items())
-        fail(f"the ranks would resume from different checkpoints ({where}); give every node the same --resume "
-             "file, and a --checkpoint-dir they all see (a shared filesystem)")
+        fail(f"the ranks would resume from different checkpoints ({where}); give every node the "
+             "same --resume file, and a --checkpoint-dir they all see (a shared filesystem)")
 
 
+# ------------------------------------------------------------------------- stopping together
 class StopAgreement:
-    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before every optimizer
-    step, and after each validation but the last, the ranks agree, so that one rank's SIGTERM, or an image it cannot
-    read, stops all at the same point: an all-reduce of two flags on the CPU backend, which never waits for the GPU."""
+    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before
+    every optimizer step, and after each validation but the last, the ranks agree, so that one
+    rank's SIGTERM, or an image it cannot read, stops all at the same point: an all-reduce of two
+    flags on the CPU backend, which never waits for the GPU."""
 
     def __init__(self):
         self.requested = False  # set by the handler, which Python runs in the main thread
@@ -292,18 +422,21 @@ class StopAgreement:
 
     def note(self, signum, frame):
         self.requested = True
-        # Ignored from now: a second one (SLURM and launch.sh may send several) cannot kill the process as it exits.
+        # Ignored from now: a second one (SLURM and launch.sh may send several) cannot kill the
+        # process as it exits.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def send(self, problem=None):
-        """Start this rank's flags on their way: a SIGTERM noted so far, and whether it has a `problem`."""
+        """Start this rank's flags on their way: a SIGTERM noted so far, and whether it has a
+        `problem`."""
         self.problem = problem
         self.flags[0].fill_(self.requested)
         self.flags[1].fill_(problem is not None)
         self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed(self):
-        """Whether to stop, by the flags sent last (or now): for a SIGTERM on any rank; for a problem, all exit."""
+        """Whether to stop, by the flags sent last (or now): for a SIGTERM on any rank; for a
+        problem, all exit."""
         if self.sent is None:
             self.send()
         self.sent.wait()
@@ -315,8 +448,9 @@ class StopAgreement:
 
 
 def stop_on_problems(problems):
-    """Every rank's problem (or None), as every rank gathered them. If any has one, each rank that has it says so,
-    rank 0 says who, and all exit 1 together, instead of leaving the others waiting in their next collective."""
+    """Every rank's problem (or None), as every rank gathered them. If any has one, each rank that
+    has it says so, rank 0 says who, and all exit 1 together, instead of leaving the others waiting
+    in their next collective."""
     failed = [rank for rank, problem in enumerate(problems) if problem]
     if problems[dist.get_rank()]:
         rank_error(problems[dist.get_rank()])
@@ -326,33 +460,144 @@ def stop_on_problems(problems):
         sys.exit(1)
 
 
+def check_finite_loss(loss, run, args):
+    """A loss averaged over ranks, so every rank stops here together when it is not finite."""
+    if not math.isfinite(loss):
+        fail(f"the loss is {loss} at epoch {run.epoch + 1} step {run.step}: training diverged; "
+             f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is "
+             "unchanged", code=1)
+
+
 def replica_checksums(run, args):
-    """Each rank's parameter checksum, which DDP keeps equal: a difference (a broken sync), or nan, stops every rank."""
-    checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(run.model.parameters())).item()
+    """Each rank's parameter checksum, which DDP keeps equal: a difference (a broken sync), or nan,
+    stops every rank. Gathers: every rank must call it."""
+    checksum = sum(p.detach().double().sum() * (i + 1)
+                   for i, p in enumerate(run.model.parameters())).item()
     checksums = gather_utils.all_gather_object(checksum)
     if not all(map(math.isfinite, checksums)):
-        fail(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} (checksums per rank: "
-             f"{checksums}): training diverged; lower --lr or check the data; {last_checkpoint(args)} is unchanged", 1)
+        fail(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} "
+             f"(checksums per rank: {checksums}): training diverged; lower --lr or check the "
+             f"data; {last_checkpoint(args)} is unchanged", 1)
     if len(set(checksums)) != 1:
-        fail(f"the model replicas diverged (parameter checksums per rank: {checksums}); expected equal ones", 1)
+        fail(f"the model replicas diverged (parameter checksums per rank: {checksums}); "
+             "expected equal ones", 1)
     return checksums
 
 
+# ---------------------------------------------------------------------------- the log lines
 def synced_clock(device):
     if device.type == "cuda":
-        torch.cuda.synchronize()  # kernels run asynchronously: time what they did, not what was queued
+        torch.cuda.synchronize()  # kernels run asynchronously: time what they did, not the queue
     return time.perf_counter()
 
 
+class StepClock:
+    """Images/s and the share of time spent waiting for data, since the last log line and over the
+    epoch. It waits for the device at log lines only; the time waited for data is the host's (a
+    GPU busy with queued steps is not idle)."""
+
+    def __init__(self, step, device, images_per_step):
+        self.device, self.images_per_step, self.first_step = device, images_per_step, step
+        self.marks = [(step, synced_clock(device), 0.0)]  # (step, time, data waited), per line
+        self.waited = 0.0
+
+    @contextmanager
+    def waiting(self):
+        began = time.perf_counter()
+        yield
+        self.waited += time.perf_counter() - began
+
+    def line(self, step):
+        """(images/s, the share of time waiting for data) since the line before; marks this one."""
+        (line_step, began, waited), now = self.marks[-1], synced_clock(self.device)
+        self.marks.append((step, now, self.waited))
+        return ((step - line_step) * self.images_per_step / (now - began),
+                (self.waited - waited) / (now - began))
+
+    def epoch(self):
+        """The epoch's data-wait share, and its images/s from the first log line on (before it: the
+        warm-up and any compilation), unless that was the last line."""
+        (_, began, _), (last_step, last, _) = self.marks[0], self.marks[-1]
+        timed_step, timed, _ = self.marks[1 if len(self.marks) > 2 else 0]
+        return {"data_wait": self.waited / (last - began),
+                "images_per_sec": (last_step - timed_step) * self.images_per_step / (last - timed)}
+
+
+def start_line(args, device, train_set, val_set, steps, new_layers):
+    start = ""
+    if args.weights:
+        start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "")
+    if args.compile:
+        start += ", compiled (the first step compiles, which takes a while)"
+    recipe = "synthetic data"
+    if args.data:
+        recipe = " > ".join(type(t).__name__ for t in train_set.transform.transforms)
+    world = dist.get_world_size()
+    return (f"{args.arch}{start} on {world} x {device.type} ({args.backend}), {len(train_set)} "
+            f"train / {len(val_set)} val images at {args.image_size} px, {recipe}, batch "
+            f"{args.batch_size} x {args.accum_steps} x {world}, {steps} steps per epoch")
+
+
+def step_line(run, args, mean, lr, images_per_sec):
+    total = args.epochs * run.steps_per_epoch
+    done = run.epoch * run.steps_per_epoch + run.step
+    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
+    eta = datetime.timedelta(seconds=round((total - done) * images_per_step / images_per_sec))
+    return (f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
+            f"({done}/{total}) loss {mean['loss']:.4f} lr {lr:.4g} {images_per_sec:.1f} img/s "
+            f"data {mean['data']:.0%} eta {eta}")
+
+
+def epoch_line(record, args):
+    return (f"epoch {record['epoch']}/{args.epochs} train_loss {record['train_loss']:.4f} "
+            f"val_loss {record['val_loss']:.4f} val_acc1 {record['val_acc1']:.2f}% "
+            f"val_acc5 {record['val_acc5']:.2f}% ({record['val_samples']} images) "
+            f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} "
+            f"{record['epoch_seconds']:.1f} s")
+
+
+def resume_line(path, checkpoint, args, run):
+    """What this run changes, and then trains with: the batch over all ranks, the optimizer's."""
+    saved_args = checkpoint["args"]
+    saved = f"{saved_args['batch_size']} x {saved_args['accum_steps']} x {checkpoint['world_size']}"
+    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
+    changed = [] if now == saved else [f"batch {now} (was {saved}; {run.samples} images of the "
+                                       "epoch done)"]
+    changed += [f"--{dashed(name)} {getattr(args, name):g} (was {saved_args[name]:g})"
+                for name in ["lr", "momentum", "weight_decay"]
+                if getattr(args, name) != saved_args[name]]
+    settings = f"; with {', '.join(changed)}" if changed else ""
+    return f"resumed from {path} at epoch {run.epoch + 1} step {checkpoint['step']}{settings}"
+
+
+# ------------------------------------------------------------------- resume bookkeeping
+def last_checkpoint(args):
+    return Path(args.checkpoint_dir) / "last.pt"
+
+
+def load_checkpoint(args):
+    """(path, checkpoint) to resume from, read on every rank; (None, None) for a fresh start. A
+    resume without --image-size goes on at the sizes its run started with."""
+    path = resume_path(args)
+    if path is None:
+        return None, None
+    checkpoint = read_checkpoint(path, args)
+    if not args.image_size_given:
+        for name in ["image_size", "resize", "interpolation"]:
+            setattr(args, name, checkpoint["args"].get(name, getattr(args, name)))
+    return path, checkpoint
+
+
 def resume_path(args):
-    """--resume, unless this torchrun job (its run id) has written a last.pt: then that one, which a restart
-    (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX) as well."""
+    """--resume, unless this torchrun job (its run id) has written a last.pt: then that one, which a
+    restart (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX)."""
     last, job = last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    # torchrun's default id, "none", is every job's: only a restart may take a last.pt of that id for its own.
+    # torchrun's default id, "none", is every job's: only a restart takes a last.pt of that id.
     if last.exists() and not args.evaluate and (restarted or job not in (None, "none")):
-        try:  # a last.pt that an earlier job left in the same directory must not pass for this job's
-            run_id = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("run_id")
+        try:  # a last.pt that an earlier job left in the directory must not pass for this job's
+            checkpoint = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+            run_id = checkpoint.get("run_id")
         except Exception:  # unreadable: not this job's, which writes atomically
             run_id = None
         if run_id == job:
@@ -362,24 +607,49 @@ def resume_path(args):
     return Path(args.resume) if args.resume else None
 
 
-def last_checkpoint(args):
-    return Path(args.checkpoint_dir) / "last.pt"
+def read_checkpoint(path, args):
+    """A last.pt that train_ddp.py wrote, for --arch, else one line and exit 2."""
+    if not path.is_file():
+        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {first_line(e)})")
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
+             f"{', '.join(sorted(CHECKPOINT_KEYS))})")
+    if checkpoint["args"]["arch"] != args.arch:
+        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
+             f"{args.arch}")
+    return checkpoint
+
+
+def samples_done(checkpoint):
+    """The images of its epoch a checkpoint had trained, over all ranks. Checkpoints before
+    2026-12-04 count the steps only, at the world size and batch that wrote them."""
+    saved = checkpoint["args"]
+    per_step = checkpoint["world_size"] * saved["batch_size"] * saved["accum_steps"]
+    return checkpoint.get("samples", checkpoint["step"] * per_step)
 
 
 def remaining_shard(sampler, run, args):
-    """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every rank; sets run.step.
-    DistributedSampler deals the epoch's one order out in turn (rank r: entries r, r + world, ...), so the run.samples
-    trained before, at any world size and batch, are its first ones: each rank skips its share (docs/checkpoints.md)."""
-    world, rank, per_step = sampler.num_replicas, sampler.rank, args.batch_size * args.accum_steps
-    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before position run.samples
-    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step  # rank 0's: it skips the most
+    """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every
+    rank; sets run.step. DistributedSampler deals the epoch's one order out in turn (rank r: entries
+    r, r + world, ...), so the run.samples trained before, at any world size and batch, are its
+    first ones: each rank skips its share (docs/checkpoints.md)."""
+    world, rank = sampler.num_replicas, sampler.rank
+    per_step = args.batch_size * args.accum_steps
+    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
+    # Rank 0's steps left: it skips the most.
+    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step
     run.step = run.steps_per_epoch - steps_left
     return list(sampler)[skip: skip + steps_left * per_step]
 
 
 def learning_rate(run, args, images_per_step):
-    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at --epochs. Placed by the
-    images trained, not the steps, so that a resume at another world size or batch goes on along the same curve."""
+    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at
+    --epochs. Placed by the images trained, not the steps, so that a resume at another world size
+    or batch goes on along the same curve."""
     epochs_done = run.epoch + run.samples / (run.steps_per_epoch * images_per_step)
     if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
         return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
@@ -387,18 +657,48 @@ def learning_rate(run, args, images_per_step):
     return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def changed_settings(checkpoint, args, samples):
-    """For the resume line: what this run changes, and then trains with: the batch over all ranks, the optimizer's."""
-    saved = f"{checkpoint['args']['batch_size']} x {checkpoint['args']['accum_steps']} x {checkpoint['world_size']}"
-    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
-    changed = [] if now == saved else [f"batch {now} (was {saved}; {samples} images of the epoch done)"]
-    changed += [f"--{name.replace('_', '-')} {getattr(args, name):g} (was {checkpoint['args'][name]:g})"
-                for name in ["lr", "momentum", "weight_decay"] if getattr(args, name) != checkpoint["args"][name]]
-    return f"; with {', '.join(changed)}" if changed else ""
+def gather_rng_states():
+    """Every rank's random streams, the CPU's and the GPU's, as every rank gathered them. Gathers:
+    every rank must call it."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
+
+
+def restore_rng_state(states):
+    """This rank's random streams from gather_rng_states(); a rank that the saving run lacked (a
+    larger world) keeps its own seed's."""
+    if dist.get_rank() < len(states):
+        torch.set_rng_state(states[dist.get_rank()]["torch"])
+        if torch.cuda.is_available() and states[dist.get_rank()]["cuda"] is not None:
+            torch.cuda.set_rng_state(states[dist.get_rank()]["cuda"])
+
+
+# ------------------------------------------------------------------------ checkpoint writes
+class CheckpointWriter:
+    """Rank 0's checkpoint writes, on a thread of their own while training goes on: one at a time,
+    so that one copy of the state is held in memory however slow the disk. Leaving the `with` block
+    waits for the last write, also on an error."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(1, "checkpoint writer")
+        self.written = None  # the latest write
+
+    def write(self, state, path):
+        """A copy of `state` in host memory, now; written to `path` atomically, later."""
+        if self.written:
+            self.written.result()
+        self.written = self.pool.submit(write_atomically, on_host(state), path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown(wait=True)
 
 
 def on_host(value):
-    """A copy in host memory of the tensors in nested dicts and lists, which training goes on changing in place."""
+    """A copy in host memory of the tensors in nested dicts and lists, which training goes on
+    changing in place."""
     if isinstance(value, dict):
         return {key: on_host(item) for key, item in value.items()}
     if isinstance(value, list):
@@ -407,8 +707,9 @@ def on_host(value):
 
 
 def write_atomically(state, path):
-    """To last.pt.tmp, flushed and fsynced, then renamed over last.pt: a kill at any moment leaves the old file or the
-    new one, never a torn one. A write that fails (a full disk) ends the process, with one line."""
+    """To last.pt.tmp, flushed and fsynced, then renamed over last.pt: a kill at any moment leaves
+    the old file or the new one, never a torn one. A write that fails (a full disk) ends the
+    process, with one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -418,13 +719,44 @@ def write_atomically(state, path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except Exception as e:  # on the writer thread, where sys.exit would end the thread only
-        say(f"error: rank 0: could not write {path} ({type(e).__name__}: {str(e).strip().splitlines()[0]})")
+        say(f"error: rank 0: could not write {path} ({type(e).__name__}: {first_line(e)})")
         os._exit(1)
 
 
+# ----------------------------------------------------------------------- hooks and batch norm
+@torch.no_grad()
+def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
+    """Batch-norm statistics for the weights as they are (precise BN): each rank's share of
+    BN_IMAGES, averaged over ranks, so that all validate, and save, one model (docs/training.md).
+    Reduces: every rank must call it."""
+    per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
+    batches = max(1, per_rank // args.batch_size)
+    indices = list(sampler)[: batches * args.batch_size]
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=indices, drop_last=True,
+                        num_workers=args.workers,
+                        generator=torch.Generator().manual_seed(args.seed))
+    cuda = [to_input.device] if to_input.device.type == "cuda" else []
+    with torch.random.fork_rng(cuda):  # training's random stream stays as it is
+        update_bn((to_input(*batch)[0] for batch in loader), model)  # a plain average
+    for norm in model.modules():
+        if getattr(norm, "track_running_stats", False):
+            for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
+                dist.all_reduce(stats.div_(dist.get_world_size()))
+
+
+def powersgd_hook_for_gloo_too(state, bucket):
+    """torch's PowerSGD hook, which chains two all-reduces per bucket through callbacks. Gloo
+    matches collectives by issue order, which concurrent buckets' callbacks make differ between
+    ranks: there each bucket finishes first."""
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    if dist.get_backend() == "gloo":  # not "cpu:gloo,cuda:nccl", whose gradients go over NCCL
+        future.wait()
+    return future
+
 class CPUSyncBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over all ranks, for CPU/gloo (nn.SyncBatchNorm needs GPUs), for torchvision's
-    affine BatchNorm2d layers. The sums travel through a differentiable all-reduce: the backward is synchronized too."""
+    """Batch norm with statistics over all ranks on CPUs (gloo), where nn.SyncBatchNorm does not
+    run, for torchvision's affine BatchNorm2d layers. The sums travel through a differentiable
+    all-reduce: the backward is synchronized too."""
 
     def forward(self, x):
         if not self.training:
@@ -437,11 +769,14 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0
         with torch.no_grad():
             self.num_batches_tracked += 1
-            weight = 1 / self.num_batches_tracked.item() if self.momentum is None else self.momentum  # a plain average
+            weight = self.momentum
+            if weight is None:  # a plain average
+                weight = 1 / self.num_batches_tracked.item()
             self.running_mean.lerp_(mean, weight)
             self.running_var.lerp_(var * n / (n - 1), weight)
         scale = self.weight * torch.rsqrt(var + self.eps)
-        return (xf * scale.view(1, c, 1, 1) + (self.bias - mean * scale).view(1, c, 1, 1)).to(x.dtype)
+        shift = self.bias - mean * scale
+        return (xf * scale.view(1, c, 1, 1) + shift.view(1, c, 1, 1)).to(x.dtype)
 
 
 def convert_to_cpu_sync_bn(module):

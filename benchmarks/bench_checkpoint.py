@@ -87,9 +87,9 @@ def bench(args, train_args, device):
             if variant in (VARIANTS[1], VARIANTS[3]) or (variant == VARIANTS[2] and k == 0):
                 calls.append(save())
             if variant == VARIANTS[3]:
-                run.written.result()
+                run.writer.written.result()
             times.append(time.perf_counter() - began)
-        run.written.result()
+        run.writer.written.result()
         return times, time.perf_counter() - window_began, calls
 
     window(VARIANTS[2])  # warm-up: the allocator, the optimizer's momentum, a first write
@@ -109,7 +109,7 @@ def bench(args, train_args, device):
         guard.write_atomically(state, path)
         writes.append(time.perf_counter() - began)
         del state
-    run.writer.shutdown()
+    run.writer.pool.shutdown()
     return steps, windows, statistics.median(idle_calls), statistics.median(writes), size
 
 
