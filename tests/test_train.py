@@ -449,7 +449,7 @@ def test_clean_env_drops_what_launchers_set():
     env = clean_env()
     env["PARENT_VARIABLES"] = ",".join([*env, "PARENT_VARIABLES"])
     result = ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                     "--no-python", sys.executable, "-c", code], env=env))
+                     "--no-python", sys.executable, "-c", code], env=env, cwd=ROOT / "tests"))
     assert result.stdout.strip() == "[]", result.stdout
 
 
