@@ -576,52 +576,53 @@ def last_checkpoint(args):
 
 
 def load_checkpoint(args):
-    """(path, checkpoint) to resume from, read on every rank; (None, None) for a fresh start. A
-    resume without --image-size goes on at the sizes its run started with."""
-    path = resume_path(args)
-    if path is None:
+    """(path, checkpoint) to resume from, each file read once, on every rank; (None, None) for a
+    fresh start. A resume without --image-size goes on at the sizes its run started with."""
+    path, checkpoint = own_checkpoint(args)
+    if checkpoint is None and args.resume:
+        path, checkpoint = Path(args.resume), read_checkpoint(Path(args.resume))
+    if checkpoint is None:
         return None, None
-    checkpoint = read_checkpoint(path, args)
-    if not args.image_size_given:
-        for name in ["image_size", "resize", "interpolation"]:
-            setattr(args, name, checkpoint["args"].get(name, getattr(args, name)))
-    return path, checkpoint
-
-
-def resume_path(args):
-    """--resume, unless this torchrun job (its run id) has written a last.pt: then that one, which a
-    restart (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX)."""
-    last, job = last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    # torchrun's default id, "none", is every job's: only a restart takes a last.pt of that id.
-    if last.exists() and not args.evaluate and (restarted or job not in (None, "none")):
-        try:  # a last.pt that an earlier job left in the directory must not pass for this job's
-            checkpoint = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
-            run_id = checkpoint.get("run_id")
-        except Exception:  # unreadable: not this job's, which writes atomically
-            run_id = None
-        if run_id == job:
-            return last
-        if restarted and world_from_env()[0] == 0:
-            say(f"restart: ignoring {last}, written by another job (run id {run_id})")
-    return Path(args.resume) if args.resume else None
-
-
-def read_checkpoint(path, args):
-    """A last.pt that train_ddp.py wrote, for --arch, else one line and exit 2."""
-    if not path.is_file():
-        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {first_line(e)})")
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
         fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
              f"{', '.join(sorted(CHECKPOINT_KEYS))})")
     if checkpoint["args"]["arch"] != args.arch:
         fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
              f"{args.arch}")
-    return checkpoint
+    if not args.image_size_given:
+        for name in ["image_size", "resize", "interpolation"]:
+            setattr(args, name, checkpoint["args"].get(name, getattr(args, name)))
+    return path, checkpoint
+
+
+def own_checkpoint(args):
+    """(path, checkpoint) of the last.pt this torchrun job (its run id) has written, which a restart
+    (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX); else
+    (None, None)."""
+    last, job = last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    # torchrun's default id, "none", is every job's: only a restart takes a last.pt of that id.
+    if not last.exists() or args.evaluate or not (restarted or job not in (None, "none")):
+        return None, None
+    try:  # a last.pt that an earlier job left in the directory must not pass for this job's
+        checkpoint = torch.load(last, map_location="cpu", weights_only=True)
+        run_id = checkpoint.get("run_id")
+    except Exception:  # unreadable: not this job's, which writes atomically
+        run_id = None
+    if run_id == job:
+        return last, checkpoint
+    if restarted and world_from_env()[0] == 0:
+        say(f"restart: ignoring {last}, written by another job (run id {run_id})")
+    return None, None
+
+
+def read_checkpoint(path):
+    if not path.is_file():
+        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {first_line(e)})")
 
 
 def samples_done(checkpoint):
@@ -634,16 +635,15 @@ def samples_done(checkpoint):
 
 def remaining_shard(sampler, run, args):
     """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every
-    rank; sets run.step. DistributedSampler deals the epoch's one order out in turn (rank r: entries
-    r, r + world, ...), so the run.samples trained before, at any world size and batch, are its
-    first ones: each rank skips its share (docs/checkpoints.md)."""
+    rank, and the step they start after. DistributedSampler deals the epoch's one order out in turn
+    (rank r: entries r, r + world, ...), so the run.samples trained before, at any world size and
+    batch, are its first ones: each rank skips its share (docs/checkpoints.md)."""
     world, rank = sampler.num_replicas, sampler.rank
     per_step = args.batch_size * args.accum_steps
     skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
     # Rank 0's steps left: it skips the most.
     steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step
-    run.step = run.steps_per_epoch - steps_left
-    return list(sampler)[skip: skip + steps_left * per_step]
+    return list(sampler)[skip: skip + steps_left * per_step], run.steps_per_epoch - steps_left
 
 
 def learning_rate(run, args, images_per_step):
@@ -698,9 +698,13 @@ class CheckpointWriter:
 
 def on_host(value):
     """A copy in host memory of the tensors in nested dicts and lists, which training goes on
-    changing in place."""
+    changing in place. A state dict keeps its _metadata: the modules' versions, which
+    load_state_dict passes to each module's _load_from_state_dict."""
     if isinstance(value, dict):
-        return {key: on_host(item) for key, item in value.items()}
+        copy = type(value)((key, on_host(item)) for key, item in value.items())
+        if hasattr(value, "_metadata"):
+            copy._metadata = value._metadata
+        return copy
     if isinstance(value, list):
         return [on_host(item) for item in value]
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value

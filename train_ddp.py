@@ -58,7 +58,7 @@ SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-res
 def main(argv=None):
     args = parse_args(argv)  # 1. arguments
     # Read before the process group forms: a bad file fails fast, and every rank with it.
-    resume_from, checkpoint = guard.load_checkpoint(args)  # --resume, or this job's own last.pt
+    resume_from, checkpoint = guard.load_checkpoint(args)  # --resume, or this job's last.pt
     if args.dry_run:
         return
     # Noted from here on: a SIGTERM during the set-up, or held since start-up, stops at step one.
@@ -321,8 +321,8 @@ def fit(run, train_set, val_set, args, to_input, stop):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Workers seeded by a generator of their own, not from the RNG that a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        loader = DataLoader(train_set, batch_size=args.batch_size,
-                            sampler=guard.remaining_shard(sampler, run, args),
+        shard, run.step = guard.remaining_shard(sampler, run, args)  # a resume goes on mid-epoch
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
                             drop_last=True, generator=torch.Generator().manual_seed(worker_seed))
         train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)

@@ -10,13 +10,10 @@ import socket
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import torchvision
-from torch.utils.data.distributed import DistributedSampler
 
 from conftest import ROOT, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, free_port, kill_tree, \
     load, metrics, noise_image, ok, run, start, torchrun, write_images
@@ -151,28 +148,6 @@ def test_validation_preprocessing_equals_pil_within_one_level(tmp_path):
         ours, theirs = val_set[i][0], pil[i][0]
         assert ours.dtype == theirs.dtype == torch.uint8 and ours.shape == theirs.shape == (3, 224, 224)
         assert (ours.int() - theirs.int()).abs().max() <= 1, i
-
-
-def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
-    # JPEG (also grayscale and CMYK) and PNG (also with alpha) by torchvision.io, BMP by PIL: 3-channel uint8, the
-    # pixels PIL gives (JPEG within one level: two libjpeg builds); damaged files raise UnreadableImage naming the file.
-    import guard
-    from PIL import Image
-
-    pixels = noise_image(24, 40)(0, 0).numpy()
-    for name, mode, tolerance in [("rgb.jpg", "RGB", 1), ("gray.jpg", "L", 1), ("cmyk.jpg", "CMYK", 1),
-                                  ("rgba.png", "RGBA", 0), ("palette.png", "P", 0), ("rgb.bmp", "RGB", 0)]:
-        Image.fromarray(pixels).convert(mode).save(tmp_path / name, quality=95)
-        image = guard.read_image(tmp_path / name)
-        want = torch.from_numpy(np.array(Image.open(tmp_path / name).convert("RGB"))).permute(2, 0, 1)
-        assert image.dtype == torch.uint8 and image.shape == (3, 24, 40), name
-        assert (image.int() - want.int()).abs().max() <= tolerance, name
-    jpeg = (tmp_path / "rgb.jpg").read_bytes()
-    (tmp_path / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
-    (tmp_path / "text.jpg").write_text("not an image")
-    for name, reason in [("truncated.jpg", "truncated"), ("text.jpg", "cannot identify image file")]:
-        with pytest.raises(guard.UnreadableImage, match=f"{tmp_path / name} .*{reason}"):
-            guard.read_image(tmp_path / name)
 
 
 def test_uint8_batches_reach_the_model_as_normalized_float():
@@ -370,42 +345,6 @@ def test_resume_on_one_rank_keeps_the_schedule(tmp_path):
     # step 68 of 128 (cosine after 64 warm-up steps), and the last step's is 1 / 64 of a half period short of 0.
     assert re.search(r"step 4/64 \(68/128\) loss \S+ lr 0.01989 ", result.stdout), result.stdout
     assert re.search(r"step 64/64 \(128/128\) loss \S+ lr 1.205e-05 ", result.stdout), result.stdout
-
-
-@pytest.mark.parametrize("before, after", [((2, 4, 1), (3, 2, 2)), ((4, 2, 1), (1, 8, 1)), ((3, 4, 1), (2, 3, 2)),
-                                           ((3, 2, 2), (2, 4, 1))], ids=["2to3", "4to1", "3to2", "3to2-tail"])
-def test_remaining_shard_trains_each_image_of_the_epoch_once_at_another_world_size(before, after):
-    # An epoch of 96 images cut after a few optimizer steps of (world size, batch, accumulation) `before`, resumed at
-    # `after`: the images trained are the epoch's own, each once, and all of them where the new step divides what is
-    # left, as in an uninterrupted epoch; otherwise all but a tail shorter than one new step (3to2-tail: 36 + 56).
-    import guard
-    images, epoch = list(range(96)), 5
-    whole = DistributedSampler(images, num_replicas=1, rank=0, seed=0)
-    whole.set_epoch(epoch)
-    order = list(whole)
-
-    def shards(layout, samples):
-        world, batch, accum = layout
-        args = SimpleNamespace(batch_size=batch, accum_steps=accum)
-        for rank in range(world):
-            sampler = DistributedSampler(images, num_replicas=world, rank=rank, seed=0)
-            sampler.set_epoch(epoch)
-            run = SimpleNamespace(samples=samples, steps_per_epoch=len(sampler) // (batch * accum))
-            yield guard.remaining_shard(sampler, run, args), run.step
-
-    cut_steps = {(2, 4, 1): 6, (4, 2, 1): 5, (3, 4, 1): 2, (3, 2, 2): 3}[before]
-    done = [i for shard, _ in shards(before, 0) for i in shard[: cut_steps * before[1] * before[2]]]
-    cut = len(done)
-    rest = [(shard, step) for shard, step in shards(after, cut)]
-    seen = done + [i for shard, _ in rest for i in shard]
-    assert len(seen) == len(set(seen))  # none twice
-    assert sorted(seen) == sorted(order[: len(seen)])  # the epoch's order, from its start
-    new_step = math.prod(after)
-    assert len(images) - len(seen) < new_step and len({step for _, step in rest}) == 1
-    if (len(images) - cut) % new_step == 0:
-        assert sorted(seen) == images
-        uninterrupted = [i for shard, _ in shards(after, 0) for i in shard]
-        assert sorted(uninterrupted) == sorted(seen)
 
 
 def test_resume_trains_with_this_runs_optimizer_settings(tmp_path):
