@@ -657,6 +657,36 @@ def learning_rate(run, args, images_per_step):
     return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def start_momentum_at_zero(optimizer):
+    """SGD's momentum buffers as zeros, in each parameter's layout, before the first step. torch's
+    fused SGD makes them with empty_like at its first step and keeps them so when the GradScaler
+    skips that step for an overflow (torch/optim/sgd.py, _fused_sgd), as an fp16 run's first steps
+    do: garbage momentum from then on. With dampening 0, a zero buffer makes the first step's
+    update the same as no buffer."""
+    for group in optimizer.param_groups:
+        if group["momentum"]:
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+def optimizer_settings(optimizer):
+    """Each param group's settings (lr, momentum, fused, ...), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def restore_optimizer_settings(optimizer, settings):
+    """After load_state_dict, which brings back the saving run's settings (fused among them, which a
+    CPU run cannot take from a GPU's) and its momentum buffers' memory layout: this run's settings,
+    and each buffer in the layout of its parameter (channels-last or not), which the fused kernels
+    need (CUDA's refuses another, the CPU's computes wrongly with it)."""
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+        for p in group["params"]:
+            buffer = optimizer.state[p].get("momentum_buffer")
+            if buffer is not None:
+                optimizer.state[p]["momentum_buffer"] = torch.empty_like(p).copy_(buffer)
+
+
 def gather_rng_states():
     """Every rank's random streams, the CPU's and the GPU's, as every rank gathered them. Gathers:
     every rank must call it."""

@@ -188,7 +188,7 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     optimizer, scaler = build_optimizer(model, args)
     run = Training(model, optimizer, scaler, steps_per_epoch=steps)
     if checkpoint:
-        restore_training_state(checkpoint, run, args)
+        restore_training_state(checkpoint, run)
         log(guard.resume_line(resume_from, checkpoint, args, run))
         checkpoint.clear()  # the model and optimizer have what they need: free the rest
     log(guard.start_line(args, device, train_set, val_set, steps, new_layers))
@@ -296,6 +296,7 @@ def build_optimizer(model, args):
     device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, fused=device.type == "cuda")
+    guard.start_momentum_at_zero(optimizer)  # not what fused SGD leaves after a skipped first step
     return optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
 
@@ -484,12 +485,11 @@ def save_checkpoint(run, args):
     return checksums
 
 
-def restore_training_state(checkpoint, run, args):
+def restore_training_state(checkpoint, run):
     """The optimizer, scaler, random stream and place in the epoch; build_model loaded the model."""
+    settings = guard.optimizer_settings(run.optimizer)  # this run's; the state has the old run's
     run.optimizer.load_state_dict(checkpoint["optimizer"])
-    # The loaded state carries the old run's settings: this run's win (lr is set at every step).
-    for group in run.optimizer.param_groups:
-        group.update(momentum=args.momentum, weight_decay=args.weight_decay)
+    guard.restore_optimizer_settings(run.optimizer, settings)  # and momentum in the params' layout
     if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler's defaults
         run.scaler.load_state_dict(checkpoint["scaler"])
     guard.restore_rng_state(checkpoint["rng"])

@@ -362,6 +362,39 @@ def test_resume_trains_with_this_runs_optimizer_settings(tmp_path):
     assert (group["momentum"], group["weight_decay"]) == (0.5, 0.0)
 
 
+def test_a_resume_takes_this_runs_fused_flag_and_momentum_layout(tmp_path):
+    # A checkpoint written on GPUs holds fused SGD's flag, which load_state_dict brings back: on the
+    # CPU that ran the fused kernel beside momentum in the old layout (computing wrongly after a switch
+    # to --channels-last). The resume trains as this run's optimizer would: as one from a checkpoint
+    # without the flag, bit for bit, and saves this run's settings.
+    tiny = [*TINY, "--train-samples", "64"]
+    ok(run([sys.executable, TRAIN, *tiny, "--epochs", "1", "--checkpoint-dir", tmp_path / "first"]))
+    saved = load(tmp_path / "first" / "last.pt")
+    for group in saved["optimizer"]["param_groups"]:
+        group["fused"] = True
+    torch.save(saved, tmp_path / "from_gpu.pt")
+
+    def resumed(path, out):
+        ok(run([sys.executable, TRAIN, *tiny, "--channels-last", "--resume", path, "--checkpoint-dir", out]))
+        return load(out / "last.pt")
+
+    plain = resumed(tmp_path / "first" / "last.pt", tmp_path / "plain")
+    from_gpu = resumed(tmp_path / "from_gpu.pt", tmp_path / "gpu")
+    assert [group["fused"] for group in from_gpu["optimizer"]["param_groups"]] == [False]
+    assert_same_weights(plain["model"], from_gpu["model"])
+
+
+def test_build_optimizer_starts_momentum_at_zero():
+    # torch's fused SGD leaves garbage momentum after a first step that the GradScaler skips (fp16's
+    # first steps overflow by design); zeros from the start leave nothing for it to make.
+    import train_ddp
+    args = train_ddp.parse_args(["--arch", "resnet18"])
+    optimizer, _ = train_ddp.build_optimizer(torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last), args)
+    buffers = [optimizer.state[p]["momentum_buffer"] for p in optimizer.param_groups[0]["params"]]
+    assert len(buffers) == 2 and not any(b.any() for b in buffers)
+    assert buffers[0].is_contiguous(memory_format=torch.channels_last)
+
+
 def test_fp16_hook_casts_before_it_divides():
     # docs/training.md: a gradient above fp16's range becomes inf under --comm-hook fp16 (torch's hook casts, then
     # divides by the world size), and stays finite under bf16. One process, train_ddp.py's own hook registration.
