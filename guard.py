@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,6 +33,9 @@ from torchvision.transforms import v2
 
 import gather_utils
 
+# What NCCL writes to the store under a torchrun attempt's prefix when it fails (ProcessGroupNCCL.hpp:
+# kStoreDumpKey, kStoreErrorSignalKey).
+NCCL_SIGNAL_KEYS = ["exception_dump", "remote_error"]
 BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 
@@ -327,11 +331,16 @@ def gpu_index(local_rank):
 def raise_nccl_timeouts(args):
     """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's
     flight recorder beside the checkpoints and aborts NCCL, so that the next collective raises for
-    collective_failed()'s one line."""
+    collective_failed()'s one line (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, "clean up only"). torchrun
+    passes 1 unless it was set ("tear down": the watchdog kills the process, and no line comes):
+    1 becomes 2, which ends the job as surely; 0 and 3 are kept (docs/troubleshooting.md)."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    # The flight recorder: torch 2.11's defaults, which 2.3 lacks.
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
-    settings = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
+    settings = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
     for name, value in settings.items():
         os.environ.setdefault(name, value)
 
@@ -344,11 +353,18 @@ def check_master_env():
 
 def store_of_this_attempt(store):
     """torchrun's own store outlives a restart (MAX_RESTARTS) with the last attempt's keys: without
-    a prefix per attempt the group hangs. launch.sh's elastic job gets a new store each round, and a
-    node that joins counts no restarts: there, the store as it is."""
+    a prefix per attempt the group hangs. NCCL writes its failure signals to the store under the
+    prefix (ProcessGroupNCCL's globalStore_: kStoreDumpKey, kStoreErrorSignalKey): a failed
+    attempt's would make the next one's heartbeat monitor dump and abort it, so they go first.
+    launch.sh's elastic job gets a new store each round, and a node that joins counts no restarts:
+    there, the store as it is."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return store
-    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if attempt != "0":
+        for key in NCCL_SIGNAL_KEYS:
+            store.delete_key(key)
+    return dist.PrefixStore(f"attempt_{attempt}", store)
 
 
 def init_failure(error, args, world_size):
@@ -370,22 +386,34 @@ def init_failure(error, args, world_size):
 
 
 def set_collective_timeout(seconds):
-    # torch 2.3 keeps set_timeout under a private name.
+    # dist.set_timeout is newer than torch 2.11; 2.3 to 2.11 have it under a private name.
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     set_timeout(datetime.timedelta(seconds=seconds))
 
 
 def collective_failed(error, args):
     """A collective that failed because a rank is gone (gloo's connections closed or timed out,
-    NCCL's error): one line from each rank, naming its flight recorder's dump on NCCL, and exit 1.
-    Any other error is raised as it is."""
+    NCCL's error): one line from each rank, naming its flight recorder's dump on NCCL, and exit 1
+    at once. Any other error is raised as it is.
+
+    At once: the group is broken, and destroying it can block. After a dump, NCCL's heartbeat
+    monitor sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) before it ends the process, and the
+    group's destructor joins that thread (ProcessGroupNCCL.cpp: HeartbeatMonitor::runLoop,
+    ~ProcessGroupNCCL). Nothing is left to save (the checkpoint writer finished when the error
+    left train_or_evaluate), the watchdog already aborted the communicators, and the driver frees
+    what the process held when it exits."""
     if "gloo/transport" not in str(error) and not isinstance(error, dist.DistBackendError):
         raise error
     trace = Path(os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "") + str(dist.get_rank()))
-    recorded = f"; its last collectives: {trace} (every rank's: torchfrtrace {trace.parent})"
-    rank_error(f"a collective failed: another rank stopped, or stopped answering for "
-               f"--collective-timeout {args.collective_timeout:g} s; look for its own error "
-               f"({first_line(error)})" + (recorded if trace.is_file() else ""))
+    recorded = f"; its last collectives: {trace}"
+    if shutil.which("torchfrtrace"):  # torch 2.3 has no such tool
+        recorded += f" (every rank's: torchfrtrace {trace.parent})"
+    say(f"error: rank {world_from_env()[0]}: a collective failed: another rank stopped, or stopped "
+        f"answering for --collective-timeout {args.collective_timeout:g} s; look for its own error "
+        f"({first_line(error)})" + (recorded if trace.is_file() else ""))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def check_same_start(checkpoint):

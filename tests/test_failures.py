@@ -195,6 +195,50 @@ def sigterm_mid_epoch(tmp_path, target):
     return checkpoint
 
 
+def test_a_failed_collective_ends_the_rank_at_once_without_destroying_its_group():
+    # After NCCL's watchdog dumps, its heartbeat monitor sleeps 480 s, and destroying the group joins
+    # it: a rank whose collective failed says its line and exits, the group left as it is. A GPU shows
+    # the wait; here a planted backend error in a gloo group, with destroy_process_group watched.
+    code = """if True:
+        import types, torch, torch.distributed as dist, train_ddp
+        destroy = dist.destroy_process_group
+        def watched(*args, **kwargs):
+            print("destroyed", flush=True)
+            destroy(*args, **kwargs)
+        dist.destroy_process_group = watched
+        args = types.SimpleNamespace(backend="gloo", init_timeout=5, collective_timeout=5)
+        with train_ddp.process_group(args, torch.device("cpu")):
+            print("in the group", flush=True)
+            raise dist.DistBackendError("NCCL communicator was aborted on rank 0")"""
+    result = run([sys.executable, "-c", code], timeout=60)
+    assert result.returncode == 1 and result.stdout.split("\n")[0] == "in the group", result
+    assert "destroyed" not in result.stdout and "Traceback" not in result.stderr, result
+    assert result.stderr.startswith("train_ddp.py: error: rank 0: a collective failed: another rank stopped, or "
+                                    "stopped answering for --collective-timeout 5 s; look for its own error (NCCL "
+                                    "communicator was aborted on rank 0)"), result.stderr
+
+
+def test_a_restart_starts_without_the_failed_attempts_nccl_signals(tmp_path):
+    # A failed NCCL attempt leaves its dump signal in torchrun's store, outside the attempt's prefix:
+    # the next attempt's heartbeat monitor would find it, dump and abort. The restart clears them.
+    script = tmp_path / "attempts.py"
+    script.write_text("""import os, sys
+import torch.distributed as dist
+import guard
+store, _, _ = next(dist.rendezvous("env://", rank=0, world_size=1))
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    for key in guard.NCCL_SIGNAL_KEYS:
+        store.set(key, "1")  # as ProcessGroupNCCL's failure leaves them
+    sys.exit(1)
+guard.store_of_this_attempt(store)
+print("left:", [key for key in guard.NCCL_SIGNAL_KEYS if store.check([key])], flush=True)
+""")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "--max-restarts", "1", script]
+    result = ok(run(cmd, env=clean_env(PYTHONPATH=Path(TRAIN).parent), timeout=90))
+    assert "left: []" in result.stdout, result.stdout
+
+
 def test_sigterm_to_launcher_saves_mid_epoch_and_resumes_exactly(tmp_path, uninterrupted):
     sigterm_mid_epoch(tmp_path, "launcher")
     resume_and_compare(tmp_path, uninterrupted)
