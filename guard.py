@@ -33,8 +33,11 @@ from torchvision.transforms import v2
 
 import gather_utils
 
-# What NCCL writes to the store under a torchrun attempt's prefix when it fails (ProcessGroupNCCL.hpp:
-# kStoreDumpKey, kStoreErrorSignalKey).
+# How long a rank that another's SIGTERM stopped waits for its own (leave_as_the_elastic_agent_
+# expects): torchrun's agent polls its workers and the waiting nodes every 0.1 s (5 s on torch 2.3).
+ELASTIC_WAIT = 10
+# What NCCL writes, when it fails, to the store beneath a torchrun attempt's prefix
+# (ProcessGroupNCCL.hpp: kStoreDumpKey, kStoreErrorSignalKey).
 NCCL_SIGNAL_KEYS = ["exception_dump", "remote_error"]
 BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
@@ -353,7 +356,7 @@ def check_master_env():
 
 def store_of_this_attempt(store):
     """torchrun's own store outlives a restart (MAX_RESTARTS) with the last attempt's keys: without
-    a prefix per attempt the group hangs. NCCL writes its failure signals to the store under the
+    a prefix per attempt the group hangs. NCCL writes its failure signals to the store beneath the
     prefix (ProcessGroupNCCL's globalStore_: kStoreDumpKey, kStoreErrorSignalKey): a failed
     attempt's would make the next one's heartbeat monitor dump and abort it, so they go first.
     launch.sh's elastic job gets a new store each round, and a node that joins counts no restarts:
@@ -445,6 +448,7 @@ class StopAgreement:
 
     def __init__(self):
         self.requested = False  # set by the handler, which Python runs in the main thread
+        self.stopped = False  # the ranks agreed to stop for a SIGTERM, this rank's or another's
         signal.signal(signal.SIGTERM, self.note)
         self.flags, self.sent, self.problem = torch.zeros(2, dtype=torch.int32), None, None
 
@@ -472,7 +476,29 @@ class StopAgreement:
         sigterm, problems = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
         if problems:
             stop_on_problems(gather_utils.all_gather_object(self.problem))
-        return bool(sigterm)
+        self.stopped = bool(sigterm)
+        return self.stopped
+
+    def leave_as_the_elastic_agent_expects(self):
+        """After the group's end. In an elastic job (NNODES=MIN:MAX), a rank that another rank's
+        SIGTERM stopped waits up to ELASTIC_WAIT s for its own: torchrun's agent sends it one when
+        a node joins, and restarts the group at the larger size. If none comes, a node is leaving
+        (its launch.sh took a SIGTERM: a spot notice): exit 1, so that the agent restarts the group
+        without it (one of MAX_RESTARTS). An exit 0 would end the job: the agent takes workers that
+        all succeeded for the job's end, closes the rendezvous, and the other agents stop too
+        (torch/distributed/elastic/agent/server/api.py, _invoke_run: SUCCEEDED is checked before
+        the nodes waiting to join)."""
+        if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
+            return
+        deadline = time.monotonic() + ELASTIC_WAIT
+        while not self.requested and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not self.requested:
+            if env_local_rank() == 0:
+                say(f"another node left the elastic job (a SIGTERM there, none here in "
+                    f"{ELASTIC_WAIT} s): exit 1, for torchrun to go on without it from last.pt "
+                    "(one of MAX_RESTARTS)")
+            sys.exit(1)
 
 
 def stop_on_problems(problems):

@@ -12,7 +12,6 @@
 #   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); train_ddp.py resumes
 #                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
 #   OMP_NUM_THREADS  default: CPU cores / N, at least 1
-#   TORCH_NCCL_ASYNC_ERROR_HANDLING  default 2: an NCCL timeout raises rather than kills (below)
 # train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
 set -euo pipefail
 
@@ -21,7 +20,10 @@ set -euo pipefail
 # step), since it would stop the workers too, but exit 1 with a traceback (the torchrun of older
 # releases, torch 2.3 for one, has no --signals-to-handle and still takes it).
 # Trapped from the start, it is repeated each second until torchrun ends: workers it has yet to
-# start get it too (they ignore all but the first).
+# start get it too (they ignore all but the first). In an elastic job this node leaves instead
+# (a spot notice): its workers get the SIGTERM, and torchrun, which would take their exit for the
+# job's end and close the rendezvous for every node, is killed; the workers save with the others
+# and exit, and the other nodes go on without this one (docs/launching.md).
 stopping=0 torchrun_pid=
 forward() {
     while [[ -n $torchrun_pid ]] && kill -0 "$torchrun_pid" 2>/dev/null; do
@@ -29,7 +31,26 @@ forward() {
         sleep 1
     done
 }
-trap 'stopping=1; forward' TERM
+leave() {
+    local workers pid
+    workers=$(pgrep -P "$torchrun_pid") || true
+    for pid in $workers; do kill -TERM "$pid" 2>/dev/null || true; done
+    kill -KILL "$torchrun_pid" 2>/dev/null || true
+    for pid in $workers; do while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done; done
+    exit 143
+}
+stop() { if [[ ${NNODES:-} == *:* ]]; then leave; else forward; fi; }
+trap 'stopping=1; [[ -z $torchrun_pid ]] || stop' TERM
+
+wait_for_rendezvous() {  # address, port, seconds: the store that node 0's torchrun hosts, as a client waits
+    if ! python3 -c 'import datetime, sys, torch.distributed as dist
+dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=float(sys.argv[3])))' \
+        "$@" 2>/dev/null; then
+        echo "launch.sh: error: no rendezvous answered at MASTER_ADDR:MASTER_PORT $1:$2 within INIT_TIMEOUT $3 s;" \
+            "expected launch.sh running on the node that holds $1 (it hosts the rendezvous), reachable from here" >&2
+        exit 1
+    fi
+}
 
 usage="usage: bash launch.sh N [train_ddp.py args...], N = processes on this machine"
 n=${1:-}
@@ -51,9 +72,6 @@ fi
 
 cores=$(getconf _NPROCESSORS_ONLN)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
-# On NCCL a collective past --collective-timeout then raises, and each rank ends with one line; torchrun's own
-# setting (1) has torch's watchdog kill the process first (docs/troubleshooting.md).
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # Bad arguments, or more processes than GPUs, fail here, once, with one line, before any
@@ -63,33 +81,43 @@ LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
 restarts=${MAX_RESTARTS:-0}
 if [[ -n ${NNODES:-} ]]; then
     : "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
+    port=${MASTER_PORT:-29500} own= is_host=
     # gloo finds its address from the hostname, which often resolves to 127.0.1.1: unless set, both backends
-    # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it).
-    if [[ -z ${GLOO_SOCKET_IFNAME:-} ]] && command -v ip >/dev/null; then
+    # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it), and torchrun this node's
+    # address there. An elastic job's rendezvous is hosted by node 0's launcher (is_host): torch would guess
+    # it from the hostname too.
+    if command -v ip >/dev/null; then
         addr=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}') || true
         if [[ -z $addr ]]; then
             echo "launch.sh: error: MASTER_ADDR '$MASTER_ADDR' does not resolve here; expected node 0's address" >&2
             exit 2
         fi
-        dev=$(ip -o addr show to "$addr" | awk '{print $2; exit}')
+        own=$(ip -o addr show to "$addr" | awk '{print $2; exit}')  # on node 0, which holds MASTER_ADDR
+        case $own in lo) ;; "") is_host=false ;; *) is_host=true ;; esac  # on loopback: torch's guess
+        dev=${GLOO_SOCKET_IFNAME:-$own}
         [[ -n $dev ]] || dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
         if [[ -n $dev && $dev != lo ]]; then
-            export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
             node_addr=$(ip -o -4 addr show dev "$dev" | awk '{sub("/.*", "", $4); print $4; exit}')
+        fi
+        if [[ -z ${GLOO_SOCKET_IFNAME:-} && -n ${node_addr:-} ]]; then
+            export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
             echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" \
                 "(reaches MASTER_ADDR $addr)" >&2
-        else  # no route, or MASTER_ADDR is node 0's own name, mapped to loopback by its /etc/hosts
+        elif [[ -z ${GLOO_SOCKET_IFNAME:-} ]]; then  # no route, or node 0's own name mapped to loopback
             echo "launch.sh: only loopback reaches MASTER_ADDR $addr: set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME" >&2
         fi
     fi
     if [[ $NNODES == *:* ]]; then
-        # torchrun's c10d rendezvous, hosted by MASTER_ADDR's launcher, which must stay; every round's rank 0 hosts
-        # its workers' store (not the first round's, which may be gone), at this node's address.
-        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        # torchrun's c10d rendezvous, hosted by node 0's launcher, which must stay; every round's rank 0 hosts
+        # its workers' store (not the first round's, which may be gone).
+        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NNODES
         restarts=${MAX_RESTARTS:-3}
-        rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
-                    --rdzv-conf "join_timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}"
+        conf="join_timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}${is_host:+,is_host=$is_host}"
+        rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$port" --rdzv-conf "$conf"
                     --rdzv-id "${RUN_ID:-$SLURM_JOB_ID}" ${node_addr:+--local-addr "$node_addr"})
+        if [[ $is_host == false ]]; then  # the rendezvous must answer within INIT_TIMEOUT, or one line here
+            wait_for_rendezvous "$MASTER_ADDR" "$port" "${INIT_TIMEOUT:-60}"
+        fi
     else
         : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
         rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
@@ -104,7 +132,7 @@ fi
 (trap '' TERM; PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec python3 -m torch.distributed.run \
     "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "$restarts" "$here/train_ddp.py" "$@") &
 torchrun_pid=$!
-if (( stopping )); then forward; fi  # a signal that came before torchrun had a pid
+if (( stopping )); then stop; fi  # a signal that came before torchrun had a pid
 status=0
 wait "$torchrun_pid" || status=$?
 # A trapped signal interrupts `wait` (status > 128) before torchrun is done: wait for its own status.

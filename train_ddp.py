@@ -67,6 +67,8 @@ def main(argv=None):
     device = setup_device(args)  # 2. device
     with process_group(args, device):  # 3. process group; 8. clean-up when the block ends
         train_or_evaluate(args, device, resume_from, checkpoint, stop)
+    if stop:  # an elastic job goes on without a node that left (docs/launching.md)
+        stop.leave_as_the_elastic_agent_expects()
 
 
 # ------------------------------------------------------------------------------- 1. arguments
@@ -153,12 +155,10 @@ def init_distributed(args, device):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
         return
     guard.check_master_env()
-    # The rendezvous and gloo's connections wait --init-timeout, the collectives after it
-    # --collective-timeout.
+    # --init-timeout for the rendezvous and gloo's connections; then --collective-timeout.
     timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                           timeout=timeout))
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         store = guard.store_of_this_attempt(store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout, **bind)
