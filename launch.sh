@@ -42,10 +42,8 @@ leave() {
 stop() { if [[ ${NNODES:-} == *:* ]]; then leave; else forward; fi; }
 trap 'stopping=1; [[ -z $torchrun_pid ]] || stop' TERM
 
-wait_for_rendezvous() {  # address, port, seconds: the store that node 0's torchrun hosts, as a client waits
-    if ! python3 -c 'import datetime, sys, torch.distributed as dist
-dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=float(sys.argv[3])))' \
-        "$@" 2>/dev/null; then
+wait_for_rendezvous() {  # address, port, seconds: until node 0's torchrun listens there, or one line and exit 1
+    if ! timeout "$3" bash -c 'until (exec 3<>"/dev/tcp/$0/$1") 2>/dev/null; do sleep 0.5; done' "$1" "$2"; then
         echo "launch.sh: error: no rendezvous answered at MASTER_ADDR:MASTER_PORT $1:$2 within INIT_TIMEOUT $3 s;" \
             "expected launch.sh running on the node that holds $1 (it hosts the rendezvous), reachable from here" >&2
         exit 1

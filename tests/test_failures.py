@@ -344,9 +344,10 @@ def test_a_checkpoint_write_that_fails_stops_the_job_with_one_line(tmp_path):
 
 def test_a_save_slower_than_torchruns_grace_is_never_half_written(tmp_path):
     # Plain torchrun passes a SIGTERM on to its workers and kills them --shutdown-timeout later (default 30 s): here
-    # 1 s, less than writing ResNet-50's checkpoint, saved at every step. The write is cut, last.pt stays whole.
-    args = ["--arch", "resnet50", "--train-samples", "256", "--val-samples", "16", "--batch-size", "8", "--epochs", "1",
-            "--save-every", "1", "--checkpoint-dir", str(tmp_path)]
+    # 1 s, less than the stop's save of a Wide ResNet-101's 1 GB checkpoint (saved at every step, so that another is
+    # being written too). The write is cut, last.pt stays whole.
+    args = ["--arch", "wide_resnet101_2", "--train-samples", "256", "--val-samples", "16", "--batch-size", "8",
+            "--epochs", "1", "--save-every", "1", "--checkpoint-dir", str(tmp_path)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--shutdown-timeout", "1", TRAIN, *args]
     job = start_logged(cmd, subdir(tmp_path / "log"))
@@ -358,7 +359,7 @@ def test_a_save_slower_than_torchruns_grace_is_never_half_written(tmp_path):
     assert (tmp_path / "last.pt.tmp").exists()  # a write was cut short
     saved = load(tmp_path / "last.pt")  # whole: it loads, and its weights fit the model
     assert guard.CHECKPOINT_KEYS <= saved.keys() and saved["step"] >= 1
-    torchvision.models.resnet50(num_classes=10).load_state_dict(saved["model"])
+    torchvision.models.wide_resnet101_2(num_classes=10).load_state_dict(saved["model"])
 
 
 # ---------------------------------------------------------------- 5. ports
