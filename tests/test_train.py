@@ -186,10 +186,21 @@ def test_no_host_waits_between_log_lines(tmp_path, extra):
         assert f"check_syncs.py: rank {rank}: 0 host waits between log lines" in result.stdout, result.stdout
 
 
-def test_check_syncs_finds_a_host_wait_in_a_step(tmp_path):
-    # The same check on a copy of train_ddp.py that reads the loss on the host after every step: it must name it.
+# What a step may do that makes a GPU's host wait, planted after each step: (the new line, what check_syncs names).
+PLANTED_WAITS = {
+    "item": ("loss_sum += step_loss.item()", "aten._local_scalar_dense"),
+    "tolist": ("loss_sum += step_loss.tolist()", "Tensor.tolist()"),
+    "cpu": ("loss_sum += step_loss.cpu()", "Tensor.cpu()"),
+    "mask": ("loss_sum += step_loss + labels[labels > 0].sum()", "aten.index.Tensor with a boolean mask"),
+}
+
+
+@pytest.mark.parametrize("plant", PLANTED_WAITS)
+def test_check_syncs_finds_a_host_wait_in_a_step(tmp_path, plant):
+    # The same check on a copy of train_ddp.py that makes the host wait after every step: it must name the wait.
+    line, named = PLANTED_WAITS[plant]
     source = (ROOT / "train_ddp.py").read_text()
-    planted = source.replace("        loss_sum += step_loss\n", "        loss_sum += step_loss.item()\n")
+    planted = source.replace("        loss_sum += step_loss\n", f"        {line}\n")
     assert planted != source
     (tmp_path / "tools").mkdir()
     for name, text in [("train_ddp.py", planted), ("guard.py", None), ("gather_utils.py", None),
@@ -199,10 +210,10 @@ def test_check_syncs_finds_a_host_wait_in_a_step(tmp_path):
            str(tmp_path / "tools" / "check_syncs.py"), *CHECK_SYNCS, "--epochs", "1", "--checkpoint-dir", tmp_path]
     result = run(cmd, cwd=tmp_path)
     assert result.returncode != 0
-    # 12 steps, a log line every 4: watched from the first log line's step to the last step, the reads after
+    # 12 steps, a log line every 4: watched from the first log line's step to the last step, the waits after
     # steps 4 to 11 (the log lines' own reads are in all_reduce_mean).
     assert "check_syncs.py: rank 0: 8 host waits between log lines" in result.stdout, result.stdout
-    assert "aten._local_scalar_dense" in result.stderr and "loss_sum += step_loss.item()" in result.stderr
+    assert f"the host waits between log lines: {named}" in result.stderr and line in result.stderr, result.stderr
 
 
 def test_metrics_file_has_every_field(reference):

@@ -4,12 +4,20 @@
 
 Such a wait (a value read on the host, a tensor made from host data) stops the host from queueing step N + 1 while
 the GPU runs step N. On CUDA, torch.cuda.set_sync_debug_mode("warn") reports every synchronizing call. On the CPU
-nothing synchronizes, so a TorchDispatchMode stands in: it sees the operators behind those calls, a value read on
-the host (aten._local_scalar_dense: .item(), bool(), int()) and a tensor made from host data (aten.lift_fresh:
-torch.tensor, torch.as_tensor); the DataLoader's own work is left to its workers (use --workers 1 or more).
+nothing synchronizes, so this stands in:
+- a TorchDispatchMode sees the operators behind those calls: a value read on the host (aten._local_scalar_dense:
+  .item(), bool(), int()), a tensor made from host data (aten.lift_fresh: torch.tensor, torch.as_tensor), and the
+  operators whose output size depends on the data, which CUDA must read back (nonzero, masked_select, indexing
+  with a boolean mask);
+- the Tensor methods that copy to the host without an operator on a CPU tensor (.tolist(), .cpu(), .numpy()) are
+  wrapped while it watches.
+The DataLoader's own work is left to its workers (use --workers 1 or more). Neither device's mode sees what waits
+on a CUDA event (DDP's timer does at some iterations), nor, on the CPU, SyncBatchNorm's masked indexing at world
+size 2 or more (nn.SyncBatchNorm runs on GPUs only; the CPU's stand-in in guard.py has none).
 
 Watched: train_one_epoch from each epoch's first log line on (the steps before warm up: cuDNN's autotuning, DDP's
-bucket rebuild) to its last step. Allowed there: what a log line itself reads (synced_clock, all_reduce_mean).
+bucket rebuild) to its last step. Allowed there: what a log line itself reads (synced_clock, all_reduce_mean), and
+the stop agreement's flags (agreed), a CPU tensor on every device.
 Each rank prints every other one with its stack, and exits 1 if it saw any.
 """
 import sys
@@ -25,7 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 import guard
 import train_ddp
 
-HOST_WAITS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default}
+aten = torch.ops.aten
+HOST_WAITS = {aten._local_scalar_dense.default, aten.lift_fresh.default, aten.nonzero.default,
+              aten.masked_select.default}
+MASKED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}  # a boolean mask makes them wait
+HOST_COPIES = ["tolist", "cpu", "numpy"]  # Tensor methods that dispatch no operator on a CPU tensor
 LOG_LINE_READS = {"synced_clock", "all_reduce_mean"}
 
 
@@ -37,22 +49,45 @@ def between_log_lines():
         if frame.f_code is train_ddp.train_one_epoch.__code__:
             run, args = frame.f_locals["run"], frame.f_locals["args"]
             at_log_line = run.step % args.log_every == 0 and names & LOG_LINE_READS
-            return args.log_every <= run.step < run.steps_per_epoch and not at_log_line
+            stop_flags = "agreed" in names  # a CPU tensor on every device: reading it waits for no GPU
+            return args.log_every <= run.step < run.steps_per_epoch and not at_log_line and not stop_flags
         frame = frame.f_back
     return False
 
 
 class HostWaits(TorchDispatchMode):
-    """The CPU's stand-in for CUDA's sync debug mode: notes the operators that would make the host wait."""
+    """The CPU's stand-in for CUDA's sync debug mode: notes the operators, and the Tensor methods, that would make
+    the host wait."""
 
     def __init__(self, found):
         super().__init__()
-        self.found = found
+        self.found, self.methods = found, {name: getattr(torch.Tensor, name) for name in HOST_COPIES}
+
+    def note(self, what):
+        if between_log_lines():
+            self.found.append((what, traceback.format_stack(limit=12)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in HOST_WAITS and between_log_lines():
-            self.found.append((str(func), traceback.format_stack(limit=12)))
+        masked = func in MASKED and any(getattr(i, "dtype", None) == torch.bool for i in args[1])
+        if func in HOST_WAITS or masked:
+            self.note(f"{func}{' with a boolean mask' if masked else ''}")
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, self.watched(name, method))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def watched(self, name, method):
+        def copy_to_host(tensor, *args, **kwargs):
+            self.note(f"Tensor.{name}()")
+            return method(tensor, *args, **kwargs)
+        return copy_to_host
 
 
 def main():
