@@ -872,7 +872,7 @@ def test_torchrun_gloo_cpu(launched, world, name):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.quick), 3, 4])
 def test_torchrun_gloo_cpu_exit(launched, world):
     assert_exit_matches_report(launched(world))
 
@@ -908,12 +908,14 @@ def test_torchrun_gloo_cpu_five_ranks_exit(launched):
     assert_exit_matches_report(launched(5, "--checks", ",".join(FIVE_RANK_CHECKS)))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_world_of_one_without_init(check):
     assert not dist.is_initialized()
     check(torch.device("cpu"))
 
 
+@pytest.mark.quick
 def test_world_of_one_bad_input():
     assert not dist.is_initialized()
     for fn in (gu.all_gather_concat, gu.all_gather_tensors, gu.all_reduce_mean):
@@ -929,6 +931,7 @@ def test_world_of_one_bad_input():
     )
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(120)
 def test_gather_utils_copied_alone_into_an_empty_folder(tmp_path):
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gather_utils.py")

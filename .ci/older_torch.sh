@@ -8,12 +8,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venvs=${VENVS:-/tmp/ddp-older-torch}
 
-check_release() {  # torch version, then the rest of what its environment needs
+install_release() {  # torch version, then the rest of what its environment needs
     local version=$1 venv=$venvs/torch-$1 began=$SECONDS
     shift
-    echo "== torch $version"
     [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q "torch==$version" "$@" -r requirements-test.txt
+    echo "== torch $version installed: $((SECONDS - began)) s"
+}
+
+check_release() {  # torch version
+    local version=$1 venv=$venvs/torch-$1 began=$SECONDS
+    echo "== torch $version"
     # test_gather.py has a test per check and world size, named [ranks-check], and one for each launch's exit:
     # those at 2 and 3 ranks.
     local gather="test_torchrun_gloo_cpu[2- or test_torchrun_gloo_cpu[3- or test_torchrun_gloo_cpu_exit[2]"
@@ -26,5 +31,12 @@ check_release() {  # torch version, then the rest of what its environment needs
     echo "== torch $version: $((SECONDS - began)) s"
 }
 
-check_release 2.3.1 torchvision==0.18.1 "numpy<2"  # torch 2.3 was built against numpy 1
-check_release 2.11.0 torchvision==0.26.0           # the GPU machine's release
+# install: the environments alone (.ci/run does it while the main tests run); check: the tests alone.
+if [[ ${1:-all} != check ]]; then
+    install_release 2.3.1 torchvision==0.18.1 "numpy<2"  # torch 2.3 was built against numpy 1
+    install_release 2.11.0 torchvision==0.26.0           # the GPU machine's release
+fi
+if [[ ${1:-all} != install ]]; then
+    check_release 2.3.1
+    check_release 2.11.0
+fi

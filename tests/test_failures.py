@@ -195,6 +195,7 @@ def sigterm_mid_epoch(tmp_path, target):
     return checkpoint
 
 
+@pytest.mark.quick
 def test_a_failed_collective_ends_the_rank_at_once_without_destroying_its_group():
     # After NCCL's watchdog dumps, its heartbeat monitor sleeps 480 s, and destroying the group joins
     # it: a rank whose collective failed says its line and exits, the group left as it is. A GPU shows
@@ -239,6 +240,7 @@ print("left:", [key for key in guard.NCCL_SIGNAL_KEYS if store.check([key])], fl
     assert "left: []" in result.stdout, result.stdout
 
 
+@pytest.mark.quick
 def test_sigterm_to_launcher_saves_mid_epoch_and_resumes_exactly(tmp_path, uninterrupted):
     sigterm_mid_epoch(tmp_path, "launcher")
     resume_and_compare(tmp_path, uninterrupted)
@@ -449,6 +451,7 @@ def test_a_node_range_torchrun_would_refuse_fails_with_one_line(nnodes):
         f"launch.sh: error: NNODES must be a number of nodes N or a range MIN:MAX, 1 <= MIN <= MAX; got '{nnodes}'"]
 
 
+@pytest.mark.quick
 def test_an_elastic_job_without_a_run_id_fails_with_one_line():
     # Its nodes resume from the job's own last.pt: RUN_ID names the job, or SLURM_JOB_ID.
     result = run(["bash", LAUNCH, "1"], timeout=30, env=clean_env(NNODES="1:2", MASTER_ADDR="127.0.0.1"))
@@ -596,6 +599,7 @@ def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     assert not left_by(tmp_path)
 
 
+@pytest.mark.quick
 def test_gpu_check_notes_the_speed_steps_images_per_second(tmp_path):
     # The note is parsed from bench_train.py's own table, whose columns have moved before (a link column came first).
     job = gpu_check(tmp_path, 300, only="speed_bf16_channels_last")

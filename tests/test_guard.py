@@ -14,7 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 import guard
 from conftest import ROOT, clean_env, noise_image, ok, run
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.quick]
 
 
 @pytest.mark.parametrize("before, after", [((2, 4, 1), (3, 2, 2)), ((4, 2, 1), (1, 8, 1)), ((3, 4, 1), (2, 3, 2)),

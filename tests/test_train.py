@@ -41,6 +41,7 @@ def test_the_demo_learns_over_its_three_epochs(tmp_path):
     assert train_loss[0] > train_loss[1] > train_loss[2] and all(r["val_loss"] < 2 * math.log(10) for r in records)
 
 
+@pytest.mark.quick
 def test_launch_sh_trains_above_chance(reference):
     out, result = reference
     records = metrics(out / "m.jsonl")
@@ -174,7 +175,7 @@ EVERYTHING = ["--accum-steps", "2", "--amp", "bf16", "--channels-last", "--sync-
               "--warmup-epochs", "0"]
 
 
-@pytest.mark.parametrize("extra", [[], EVERYTHING], ids=["plain", "everything"])
+@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.quick), EVERYTHING], ids=["plain", "everything"])
 def test_no_host_waits_between_log_lines(tmp_path, extra):
     # check_syncs.py runs train_ddp.py under a TorchDispatchMode that sees every operator which on a GPU would make
     # the host wait (a value read on the host, a tensor made from host data) between two log lines: there must be none
@@ -261,6 +262,7 @@ def test_plain_python_runs_as_one_process(tmp_path):
     assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 1
 
 
+@pytest.mark.quick
 def test_local_rank_comes_from_the_flag_else_the_launchers(monkeypatch):
     # The legacy launcher passes --local-rank (or --local_rank) and sets LOCAL_RANK too: the flag alone must do.
     import train_ddp
@@ -285,6 +287,7 @@ def test_legacy_launcher_passes_local_rank(tmp_path):
     assert metrics(tmp_path / "m.jsonl")[0]["val_samples"] == 50
 
 
+@pytest.mark.quick
 def test_distributed_validation_equals_single_process(tmp_path):
     # 50 val images on 3 ranks: DistributedSampler pads to 51; the duplicate must not count.
     ok(run(torchrun(3, *TINY, "--epochs", "1", "--checkpoint-dir", tmp_path, "--metrics-file", tmp_path / "m.jsonl")))
@@ -326,6 +329,7 @@ def test_sync_bn_two_ranks_match_one_process_with_double_batch(tmp_path, ddp_arg
             assert (update - want_update).norm() <= 1e-2 * want_update.norm() and want_update.norm() > 0, key
 
 
+@pytest.mark.quick
 def test_resume_equals_uninterrupted(reference, tmp_path):
     out, _ = reference
     proc = start(torchrun(2, *TINY, "--checkpoint-dir", tmp_path))
@@ -395,6 +399,7 @@ def test_a_resume_takes_this_runs_fused_flag_and_momentum_layout(tmp_path):
     assert_same_weights(plain["model"], from_gpu["model"])
 
 
+@pytest.mark.quick
 def test_build_optimizer_starts_momentum_at_zero():
     # torch's fused SGD leaves garbage momentum after a first step that the GradScaler skips (fp16's
     # first steps overflow by design); zeros from the start leave nothing for it to make.
