@@ -4,8 +4,9 @@ ids, the rest of a shard, the learning rate placed by images), the atomic checkp
 settings, the log lines, precise batch norm, and batch norm synced on CPUs.
 
 Copy it beside train_ddp.py and gather_utils.py and keep it as it is; train_ddp.py calls it as
-guard.NAME. Every function here gives its answer in one process without a process group too, except
-those that say they gather (every rank must call them).
+guard.NAME. The checks and the resume bookkeeping need no process group (the tests call them in one
+process); what runs in the group reads its rank and size, and what gathers or reduces says that
+every rank must call it.
 """
 import datetime
 import hashlib
