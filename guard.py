@@ -38,8 +38,8 @@ import gather_utils
 # expects): torchrun's agent polls its workers and the waiting nodes every 0.1 s (5 s on torch 2.3).
 ELASTIC_WAIT = 10
 # What NCCL writes, when it fails, to the store beneath a torchrun attempt's prefix
-# (ProcessGroupNCCL.hpp: kStoreDumpKey, kStoreErrorSignalKey).
-NCCL_SIGNAL_KEYS = ["exception_dump", "remote_error"]
+# (ProcessGroupNCCL.hpp: kStoreDumpKey, kStoreErrorSignalKey; torch 2.3 named the first timeout_dump).
+NCCL_SIGNAL_KEYS = ["exception_dump", "remote_error", "timeout_dump"]
 BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 
