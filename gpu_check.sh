@@ -10,12 +10,15 @@
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
-#                                     # steps that need CUDA are skipped), to prove the script itself and time it
+#                                     # steps that need CUDA are skipped), to prove the script itself and time it,
+#                                     # with pytest, scikit-learn and pynvml hidden, as the GPU machine lacks them
 #   ONLY="headline speed_fp32" bash gpu_check.sh --rehearse    # only these steps
 #
 # Every step runs whatever failed before it, under a time limit of its own, and asserts its result. Past its limit a
 # step's processes get SIGABRT (PYTHONFAULTHANDLER=1: every thread's stack goes to its log), then SIGKILL. A step
-# starts only if the deadline leaves it 20 s; the rest are listed as skipped, and the check is then incomplete. Out
+# starts only if the deadline leaves it 20 s; the rest are listed as skipped, and the check is then incomplete (so
+# is a step that the deadline, not its own limit, cut short). Without a GPU and without --rehearse it refuses at once.
+# A TERM or INT, also to its whole process group (timeout, ^C), ends the step in flight and removes the work folder. Out
 # ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step; logs/NAME.log, written
 # as each step runs and packed into step_logs.tar.gz at the end (also on SIGTERM). Exit code: 1 if any step failed or
 # timed out, else 2 if the deadline skipped any (incomplete), else 0.
@@ -30,14 +33,33 @@ set -uo pipefail
 cd "$(dirname "$0")"
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
-out=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+py=python3
+if ((!rehearse)) && ! timeout 60 $py -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    echo "gpu_check.sh: error: torch sees no CUDA GPU here; expected the GPU machine, or --rehearse on a CPU" >&2
+    exit 2
+fi
+out=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
 logs=$out/logs
-work=$(mktemp -d /tmp/gpu_check_work.XXXXXX)  # checkpoints and data: not copied back
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_work.XXXXXX")  # checkpoints and data: not copied back
 mkdir -p "$logs"
-exec > >(tee "$out/gpu_check.log") 2>&1
+# tee ignores TERM and INT: a signal to the whole process group (timeout, ^C) must leave it to write the
+# trap's lines, or the trap's first write would kill the shell before it ends the step in flight.
+exec > >(trap '' TERM INT; exec tee "$out/gpu_check.log") 2>&1
 deadline=$((SECONDS + ${DEADLINE:-540}))
 export OMP_NUM_THREADS=4 PYTHONPATH=$PWD PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN
-py=python3
+if ((rehearse)); then
+    # What the GPU machine lacks is missing here too: a rehearsal fails where the one try would.
+    mkdir "$work/gpu_machine"
+    cat >"$work/gpu_machine/sitecustomize.py" <<'EOF'
+import sys
+class Absent:  # the GPU machine has torch and torchvision, and none of these
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"pytest", "_pytest", "sklearn", "pynvml"}:
+            raise ImportError(f"No module named {name!r} (gpu_check.sh --rehearse: not on the GPU machine)")
+sys.meta_path.insert(0, Absent())
+EOF
+    export PYTHONPATH=$work/gpu_machine:$PYTHONPATH
+fi
 names=() results=() seconds=() notes=()
 running= current= current_began= finished=false failed=0 incomplete=0
 
@@ -117,7 +139,7 @@ passed() {  # name: whether that step is the last one recorded, and it passed
 # step NAME LIMIT COMMAND...: run it in a session of its own, output in logs/NAME.log, killed with its whole tree
 # past LIMIT seconds or the deadline; print the log's tail if it fails.
 step() {
-    local name=$1 limit=$2 began=$SECONDS status=pass left=$((deadline - SECONDS)) pid
+    local name=$1 limit=$2 began=$SECONDS status=pass left=$((deadline - SECONDS)) pid cut=false
     shift 2
     wanted "$name" || return 0
     if ((left < 20)); then
@@ -125,7 +147,7 @@ step() {
         record "$name" skipped 0 "deadline"
         return
     fi
-    ((limit > left)) && limit=$left
+    ((limit > left)) && limit=$left cut=true
     echo "== $name"
     setsid "$@" >"$logs/$name.log" 2>&1 </dev/null &
     pid=$! running=$! current=$name current_began=$began
@@ -138,7 +160,11 @@ step() {
     wait "$pid" || { [[ $status == timeout ]] || status=FAIL; }
     running=
     [[ $status == pass ]] || tail -n 25 "$logs/$name.log"
-    record "$name" "$status" $((SECONDS - began))
+    if [[ $status == timeout ]] && $cut; then  # the deadline's limit, not the step's own: incomplete
+        record "$name" skipped $((SECONDS - began)) deadline
+    else
+        record "$name" "$status" $((SECONDS - began))
+    fi
 }
 
 needs_gpu() {  # name: in a rehearsal, listed as skipped instead of run
@@ -156,10 +182,11 @@ verify() {
     local name=$1
     passed "$name" || return 0
     if timeout 60 $py - "$work" "$logs" "$2" >>"$logs/$name.log" 2>&1 <<'EOF'
-import json, math, sys, torch
+import json, math, sys
 work, logs, check = sys.argv[1:]
 m = lambda path: [json.loads(line) for line in open(f"{work}/{path}")]
-ck = lambda path: torch.load(f"{work}/{path}", map_location="cpu", weights_only=True)
+# torch only where a check reads a checkpoint: its import costs seconds, which the deadline counts.
+ck = lambda path: __import__("torch").load(f"{work}/{path}", map_location="cpu", weights_only=True)
 log = lambda step: open(f"{logs}/{step}.log").read()
 def learned(path, epochs):
     records = m(path)
@@ -216,7 +243,8 @@ if ((rehearse)); then
     val=32 on="1 x cpu (gloo)" long=(--train-samples 2048) fp16=(--train-samples 64)  # fp16 on a CPU is slow
     headline=(--arch resnet18 --image-size 32 --batch-size 16 --train-samples 512 --val-samples 32 --log-every 8
               --workers 2)
-    bench=(benchmarks/bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2 --repeats 1)
+    bench=(benchmarks/bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2
+           --repeats 1)
     photos=(--images 96 --val-images 16) real=(--arch resnet18 --image-size 64 --batch-size 16 --workers 2)
 else
     # 2 workers x 3 batches of 0.8 MB fit in any /dev/shm.
@@ -226,7 +254,8 @@ else
     # ImageNet's size: 60 steps of 256 images (37 MB of uint8 a batch), the first 10 the warm-up.
     headline=(--arch resnet50 --image-size 224 --batch-size 256 --amp bf16 --channels-last --train-samples 15360
               --val-samples 2560 --log-every 10 --workers "$(workers_for 37)")
-    bench=(benchmarks/bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15 --repeats 1)
+    bench=(benchmarks/bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15
+           --repeats 1)
     photos=(--images 2048 --val-images 256)
     real=(--arch resnet50 --image-size 224 --batch-size 256 --workers "$(workers_for 37)" --amp bf16 --channels-last)
 fi
@@ -250,9 +279,8 @@ timeout 10 df -h /dev/shm
 # Estimated seconds on an H200 in brackets.
 needs_gpu gather_nccl ||  # [35]
     step gather_nccl 150 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend nccl
-needs_gpu gather_mixed_group || step gather_mixed_group 90 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
-    --backend cpu:gloo,cuda:nccl --checks "$(timeout 60 $py -c 'import test_gather as t
-print(",".join(t.MIXED_GROUP_CHECKS))')"  # [20]
+needs_gpu gather_mixed_group ||  # [20]: test_gather.py's MIXED_GROUP_CHECKS
+    step gather_mixed_group 90 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend cpu:gloo,cuda:nccl
 needs_gpu gather_gloo_cuda ||  # [40]
     step gather_gloo_cuda 150 "${torchrun[@]}" --nproc-per-node 2 test_gather.py --backend gloo --device cuda
 
@@ -271,13 +299,17 @@ print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait
 # recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang.  [30]
 cat >"$work/nccl_timeout.py" <<'EOF'
 import argparse, os, time, torch, torch.distributed as dist, train_ddp
+def cycles_per_second():  # torch.cuda.clock_rate() needs pynvml, which torch does not install
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(); torch.cuda._sleep(10**8); end.record(); end.synchronize()
+    return 10**8 / (start.elapsed_time(end) / 1000)
 args = argparse.Namespace(backend="nccl", init_timeout=60, collective_timeout=5, local_rank=0,
                           checkpoint_dir=os.path.dirname(__file__))
 device = train_ddp.setup_device(args)
 began = time.monotonic()
 with train_ddp.process_group(args, device):
     x = torch.ones(1, device=device)
-    torch.cuda._sleep(int(20 * torch.cuda.clock_rate() * 1e6))  # about 20 s of the GPU's time
+    torch.cuda._sleep(int(20 * cycles_per_second()))  # about 20 s of the GPU's time
     dist.all_reduce(x)
     print(f"all_reduce queued; the host reads its result at {time.monotonic() - began:.1f} s", flush=True)
     print(f"read {x.item()} at {time.monotonic() - began:.1f} s", flush=True)
@@ -340,7 +372,8 @@ assert e['epoch'] == 3 and e['val_samples'] == $val, e
 assert abs(e['val_acc1'] - t['val_acc1']) <= 100 / $val, (e, t)  # cudnn may pick other kernels: one image at most"
 
 # SIGTERM mid-epoch to a one-process run that also saves every 10 steps (the copy from the GPU, the writer thread):
-# it saves last.pt at the step it reached and exits 0; the resumed run goes on from the next step. ($0 of the inline script is the step's log.)  [20, 15]
+# it saves last.pt at the step it reached and exits 0; the resumed run goes on from the next step. ($0 of the inline
+# script is the step's log.)  [20, 15]
 sigterm_after_step_20='"$@" & for _ in $(seq 900); do grep -q "step 20/" "$0" && break; sleep 0.1; done
 kill -TERM $!; wait $!'
 step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \

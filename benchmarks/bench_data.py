@@ -5,7 +5,8 @@
 
 The photographs are crops at ImageNet's usual size (about 500 x 375) of scikit-learn's two sample
 photographs (a test and benchmark dependency only), flipped and shifted at random, saved as JPEG
-at quality 90. Each pipeline is timed per image in this process, on one thread (so images/s per
+at quality 90. Without scikit-learn (gpu_check.sh's GPU machine has torch and torchvision alone),
+two pictures made with torch stand in for them, and the writer says so. Each pipeline is timed per image in this process, on one thread (so images/s per
 core), and through a DataLoader (2 workers, batch 64, collation and the transfer of the batches to
 this process, after the workers have started), in rounds that take the pipelines in turn. The
 table shows each one's median over the rounds and its ratio to the PIL recipe (and to decoding
@@ -22,7 +23,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import torchvision
+from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_image, read_file
@@ -37,11 +40,8 @@ MEAN, STD = train_ddp.IMAGENET_MEAN, train_ddp.IMAGENET_STD
 
 def write_photographs(root, count, val_count=None, seed=0):
     """`count` JPEGs in root/train/<class>/ (2 classes), the first `val_count` (default: all) also in root/val/."""
-    from PIL import Image
-    from sklearn.datasets import load_sample_images
-
     rng = random.Random(seed)
-    sources = [Image.open(name).convert("RGB") for name in load_sample_images().filenames]  # 640 x 427
+    sources = sample_photographs()
     for split in ["train", "val"]:
         for label in range(2):
             (Path(root) / split / f"class{label}").mkdir(parents=True, exist_ok=True)
@@ -54,6 +54,27 @@ def write_photographs(root, count, val_count=None, seed=0):
             crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         for split in ["train", "val"][: 1 + (val_count is None or i < val_count)]:
             crop.save(Path(root) / split / f"class{i % 2}" / f"{i:05d}.jpg", quality=90)
+
+
+def sample_photographs():
+    """Two 640 x 427 RGB pictures: scikit-learn's sample photographs, else two made here."""
+    try:
+        from sklearn.datasets import load_sample_images
+    except ImportError:
+        print("bench_data.py: scikit-learn is not installed: pictures made with torch stand in for its photographs")
+        return [made_picture(seed) for seed in (0, 1)]
+    return [Image.open(name).convert("RGB") for name in load_sample_images().filenames]
+
+
+def made_picture(seed, height=427, width=640):
+    """Smooth shapes at several scales under fine noise, as a photograph's detail is spread over its scales
+    (a JPEG of it decodes at about a photograph's cost): uniform noise upsampled from grids of 8 to 128 px cells."""
+    generator = torch.Generator().manual_seed(seed)
+    layers = [F.interpolate(torch.rand(1, 3, height // cell + 2, width // cell + 2, generator=generator),
+                            size=(height, width), mode="bicubic", align_corners=False) / 2 ** i
+              for i, cell in enumerate([128, 32, 8])]
+    picture = sum(layers) / 1.75 + 0.05 * torch.randn(1, 3, height, width, generator=generator)
+    return v2.functional.to_pil_image((255 * picture[0].clamp(0, 1)).to(torch.uint8))
 
 
 def pipelines(root):
