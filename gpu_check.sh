@@ -11,7 +11,7 @@
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
 #                                     # steps that need CUDA are skipped), to prove the script itself and time it,
-#                                     # with pytest, scikit-learn and pynvml hidden, as the GPU machine lacks them
+#                                     # in a venv without pytest, scikit-learn and pynvml, as the GPU machine
 #   ONLY="headline speed_fp32" bash gpu_check.sh --rehearse    # only these steps
 #
 # Every step runs whatever failed before it, under a time limit of its own, and asserts its result. Past its limit a
@@ -48,17 +48,17 @@ exec > >(trap '' TERM INT; exec tee "$out/gpu_check.log") 2>&1
 deadline=$((SECONDS + ${DEADLINE:-540}))
 export OMP_NUM_THREADS=4 PYTHONPATH=$PWD PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN
 if ((rehearse)); then
-    # What the GPU machine lacks is missing here too: a rehearsal fails where the one try would.
-    mkdir "$work/gpu_machine"
-    cat >"$work/gpu_machine/sitecustomize.py" <<'EOF'
-import sys
-class Absent:  # the GPU machine has torch and torchvision, and none of these
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in {"pytest", "_pytest", "sklearn", "pynvml"}:
-            raise ImportError(f"No module named {name!r} (gpu_check.sh --rehearse: not on the GPU machine)")
-sys.meta_path.insert(0, Absent())
-EOF
-    export PYTHONPATH=$work/gpu_machine:$PYTHONPATH
+    # What the GPU machine lacks is missing here too, so that a rehearsal fails where the one try would: a virtual
+    # environment with this python's packages but pytest, scikit-learn and pynvml.
+    $py -m venv --without-pip "$work/venv"
+    mkdir "$work/packages"
+    for entry in "$($py -c 'import site; print(site.getsitepackages()[0])')"/*; do
+        case ${entry##*/} in pytest* | _pytest | sklearn | scikit_learn* | pynvml* | __pycache__) ;;
+            *) ln -s "$entry" "$work/packages/" ;;
+        esac
+    done
+    py=$work/venv/bin/python
+    echo "$work/packages" >"$($py -c 'import site; print(site.getsitepackages()[0])')/gpu_machine.pth"
 fi
 names=() results=() seconds=() notes=()
 running= current= current_began= finished=false failed=0 incomplete=0

@@ -590,7 +590,7 @@ def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     assert seconds < 40 + 30, stdout(job)[-3000:]
     assert results["gather_nccl"] == ("skipped", "needs a GPU")
     # A step that the deadline cut short is incomplete too, not failed.
-    assert results["headline"] in [("pass", ""), ("skipped", "deadline")], results
+    assert results["headline"][0] == "pass" or results["headline"] == ("skipped", "deadline"), results
     assert results["real_data"] == ("skipped", "deadline") and set(results) >= {"speed_bf16_channels_last", "compile"}
     assert not [name for name, (result, _) in results.items() if result not in ("pass", "skipped")], results
     assert job.returncode == 2, stdout(job)[-3000:]
