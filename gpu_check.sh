@@ -209,6 +209,9 @@ EOF
 
 finish() {
     local status=$? i
+    # timeout sends its TERM twice, to the script and then to its whole group: a second one must not cut the clean-up
+    # short, nor kill what it starts (the process-tree scan), which inherit the ignoring.
+    trap '' TERM INT
     if [[ -n $running ]]; then
         kill_tree "$running"
         record "$current" stopped $((SECONDS - current_began))
@@ -227,7 +230,7 @@ finish() {
     exit $((failed > 0 ? 1 : incomplete > 0 ? 2 : 0))
 }
 trap finish EXIT
-trap 'echo "gpu_check.sh: stopped by a signal"; exit 1' TERM INT
+trap 'trap "" TERM INT; echo "gpu_check.sh: stopped by a signal"; exit 1' TERM INT
 
 # DataLoader workers for batches of $1 MB: one for each core but two (one for the training process, one spare), as
 # many as /dev/shm holds (each prefetches 2 batches and the process holds one, as train_ddp.py checks), down to none.
