@@ -1,38 +1,62 @@
 #!/usr/bin/env bash
 # The GPU proof in one try, on one CUDA machine, with the python3 it finds (torch 2.3 or later with torchvision;
-# nothing installed), inside a deadline. Most valuable first: the gather tests over NCCL, over train_ddp.py's group of
-# gloo and NCCL, and over gloo with CUDA tensors; the headline figure, train_ddp.py's ResNet-50 at 224 px in bf16
-# (batch 256, synthetic data), under check_syncs.py (no host-device sync between log lines); what a collective past
-# --collective-timeout shows on NCCL; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against
-# one process); train_ddp.py on NCCL: fp32, bf16 + channels-last and fp16 under check_syncs.py, resume, --evaluate,
-# SIGTERM mid-epoch and its resume, two hooks, a fine-tune from --weights; ResNet-50 speed at 224 px with and without
-# DDP (bench_train.py); JPEG photographs through the input pipeline; --compile.
+# nothing installed), inside a deadline. The steps are in `plan` below, most valuable first: the gather tests over
+# NCCL, over train_ddp.py's group of gloo and NCCL, and over gloo with CUDA tensors; the headline figure,
+# train_ddp.py's ResNet-50 at 224 px in bf16 (batch 256, synthetic data), under check_syncs.py (no host-device sync
+# between log lines); what a collective past --collective-timeout shows on NCCL; train_ddp.py on NCCL: fp16 with the
+# fp16 hook and fp32 under check_syncs.py, a resume; two ranks sharing the GPU over gloo (SyncBN statistics and DDP
+# replicas against one process); SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py);
+# --compile.
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
 #                                     # steps that need CUDA are skipped), to prove the script itself and time it,
 #                                     # in a venv without pytest, scikit-learn and pynvml, as the GPU machine
-#   ONLY="headline speed_fp32" bash gpu_check.sh --rehearse    # only these steps
+#   ONLY="headline speed_bf16_channels_last" bash gpu_check.sh --rehearse    # only these steps
 #
 # Every step runs whatever failed before it, under a time limit of its own, and asserts its result. Past its limit a
 # step's processes get SIGABRT (PYTHONFAULTHANDLER=1: every thread's stack goes to its log), then SIGKILL. A step
 # starts only if the deadline leaves it 20 s; the rest are listed as skipped, and the check is then incomplete (so
 # is a step that the deadline, not its own limit, cut short). Without a GPU and without --rehearse it refuses at once.
 # A TERM or INT, also to its whole process group (timeout, ^C), ends the step in flight and removes the work folder. Out
-# ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step; logs/NAME.log, written
-# as each step runs and packed into step_logs.tar.gz at the end (also on SIGTERM). Exit code: 1 if any step failed or
-# timed out, else 2 if the deadline skipped any (incomplete), else 0.
-#
-# Estimated on an H200 (none has run this yet): 25 to 40 s a step (python, torch and NCCL start in 10 to 15 s of
-# it), --compile about 90 s: about 470 s in all, the steps' own limits adding up to more.
+# ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step, each step's seconds
+# beside its estimate; logs/NAME.log, written as each step runs and packed into step_logs.tar.gz at the end (also on
+# SIGTERM). Exit code: 1 if any step failed or timed out, else 2 if the deadline skipped any (incomplete), else 0.
 #
 # What one GPU cannot show: NCCL between ranks. NCCL refuses two ranks on one GPU, so its multi-rank paths
 # (gather_utils' uneven all-gather, the header exchange between ranks, DDP's all-reduce, SyncBN over NCCL) run
 # only at world size 1 here; two ranks share the GPU over gloo instead.
+
 set -uo pipefail
 cd "$(dirname "$0")"
+
+# The plan: each step and its estimated seconds on an H200 (none has run this yet; python, torch and NCCL start in
+# 10 to 15 s of each). Most valuable first, so that a deadline that comes early cuts the least; --compile, last,
+# costs the most for what it adds. With the probes before the first step and the checks after each (one import of
+# torch for each checkpoint they read), 408 s, inside 420; the deadline leaves 132 s more for estimates that are low.
+# Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from --weights, the
+# rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16 and channels-last at 64 px beside
+# the headline's, and JPEG photographs (at a size that fits, their batches are fewer than the workers prefetch: a
+# measure of the workers' start, not of the input pipeline).
+plan=(gather_nccl 35 gather_mixed_group 20 gather_gloo_cuda 40 headline 40 nccl_timeout 30 train_fp16_hook_fp16 18
+      train_fp32 20 resume 15 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40 compile 90)
+probes_and_checks=15
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
+planned() {  # name: its estimated seconds, if the plan has that step
+    local i
+    for ((i = 0; i < ${#plan[@]}; i += 2)); do
+        [[ ${plan[i]} == "$1" ]] && echo "${plan[i + 1]}" && return
+    done
+    return 1
+}
+for name in ${ONLY:-}; do  # a misspelt name would leave nothing to run, and a check that passes
+    if ! planned "$name" >/dev/null; then
+        echo "gpu_check.sh: error: ONLY names no step '$name'; expected names from the plan:" \
+            "$(for ((i = 0; i < ${#plan[@]}; i += 2)); do printf '%s ' "${plan[i]}"; done)" >&2
+        exit 2
+    fi
+done
 py=python3
 if ((!rehearse)) && ! timeout 60 $py -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     echo "gpu_check.sh: error: torch sees no CUDA GPU here; expected the GPU machine, or --rehearse on a CPU" >&2
@@ -115,8 +139,8 @@ write_summary() {  # written whole, then renamed: a kill leaves the last complet
             "${DEADLINE:-540}" "$( ((rehearse)) && echo true || echo false)" "$finished" "$failed" "$incomplete"
         printf '"complete": %s, "steps": [' "$complete"
         for i in "${!names[@]}"; do
-            printf '%s\n {"step": "%s", "result": "%s", "seconds": %d, "note": "%s"}' "$sep" "${names[$i]}" \
-                "${results[$i]}" "${seconds[$i]}" "${notes[$i]}"
+            printf '%s\n {"step": "%s", "result": "%s", "seconds": %d, "estimated_seconds": %d, "note": "%s"}' \
+                "$sep" "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "$(planned "${names[$i]}")" "${notes[$i]}"
             sep=,
         done
         printf '\n]}\n'
@@ -219,9 +243,10 @@ finish() {
     finished=true
     write_summary
     echo
-    printf '| step | result | seconds | note |\n|---|---|---|---|\n'
+    printf '| step | result | seconds | estimated on an H200 | note |\n|---|---|---|---|---|\n'
     for i in "${!names[@]}"; do
-        printf '| %s | %s | %s | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "${notes[$i]}"
+        printf '| %s | %s | %s | %s | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" \
+            "$(planned "${names[$i]}")" "${notes[$i]}"
     done
     ((status == 0)) || failed=$((failed > 0 ? failed : 1))
     tar -czf "$out/step_logs.tar.gz" -C "$logs" . && rm -r "$logs"
@@ -248,7 +273,6 @@ if ((rehearse)); then
               --workers 2)
     bench=(benchmarks/bench_train.py --device cpu --nproc 1 --image-size 32 --batches 16 --steps 3 --warmup 2
            --repeats 1)
-    photos=(--images 96 --val-images 16) real=(--arch resnet18 --image-size 64 --batch-size 16 --workers 2)
 else
     # 2 workers x 3 batches of 0.8 MB fit in any /dev/shm.
     small=(--arch resnet18 --image-size 64 --train-samples 2048 --val-samples 256 --batch-size 64 --workers 2
@@ -259,8 +283,6 @@ else
               --val-samples 2560 --log-every 10 --workers "$(workers_for 37)")
     bench=(benchmarks/bench_train.py --device cuda --nproc 1 --image-size 224 --batches 256 --steps 30 --warmup 15
            --repeats 1)
-    photos=(--images 2048 --val-images 256)
-    real=(--arch resnet50 --image-size 224 --batch-size 256 --workers "$(workers_for 37)" --amp bf16 --channels-last)
 fi
 torchrun=($py -m torch.distributed.run --standalone)
 train=("${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}")
@@ -271,6 +293,9 @@ assert '${2:-}' != 'checked' or 'rank 0: 0 host waits between log lines' in log(
 }
 
 date -u
+total=$probes_and_checks
+for ((i = 1; i < ${#plan[@]}; i += 2)); do total=$((total + plan[i])); done
+echo "gpu_check.sh: $((${#plan[@]} / 2)) steps, estimated $total s in all on an H200; deadline ${DEADLINE:-540} s"
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 timeout 60 $py -c 'import sys, torch, torchvision
 cuda = torch.cuda.is_available()
@@ -279,16 +304,15 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision
       "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))'
 timeout 10 df -h /dev/shm
 
-# Estimated seconds on an H200 in brackets.
-needs_gpu gather_nccl ||  # [35]
+needs_gpu gather_nccl ||
     step gather_nccl 150 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend nccl
-needs_gpu gather_mixed_group ||  # [20]: test_gather.py's MIXED_GROUP_CHECKS
+needs_gpu gather_mixed_group ||  # test_gather.py's MIXED_GROUP_CHECKS
     step gather_mixed_group 90 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend cpu:gloo,cuda:nccl
-needs_gpu gather_gloo_cuda ||  # [40]
+needs_gpu gather_gloo_cuda ||
     step gather_gloo_cuda 150 "${torchrun[@]}" --nproc-per-node 2 test_gather.py --backend gloo --device cuda
 
 # The headline: train_ddp.py itself at ImageNet's size, its images/s and share of time waiting for data, with no
-# host-device sync between log lines (check_syncs.py).  [40]
+# host-device sync between log lines (check_syncs.py).
 step headline 150 "${torchrun[@]}" --nproc-per-node 1 tools/check_syncs.py "${headline[@]}" --epochs 1 \
     --checkpoint-dir "$work/headline" --metrics-file "$work/headline.jsonl"
 verify headline "r, = m('headline.jsonl'); assert 'rank 0: 0 host waits between log lines' in log('headline')
@@ -299,7 +323,7 @@ print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait
 # waits for it. Expected, with train_ddp.py's settings: torch's watchdog logs the timed-out all-reduce, its flight
 # recorder writes the rank's last collectives, it aborts NCCL (after 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 60 s by
 # default, 4 here), and the next collective raises: process_group() ends the run with its one line, naming the
-# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang.  [30]
+# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang.
 cat >"$work/nccl_timeout.py" <<'EOF'
 import argparse, os, time, torch, torch.distributed as dist, train_ddp
 def cycles_per_second():  # torch.cuda.clock_rate() needs pynvml, which torch does not install
@@ -326,11 +350,27 @@ verify nccl_timeout "line = next(l for l in log('nccl_timeout').splitlines() if 
 assert 'nccl_trace_rank_0 (every rank' in line, 'no flight recorder file'
 print('NOTE', line[line.index('a collective'):][:150])"
 
+# train_ddp.py on NCCL, ResNet-18 at 64 px under check_syncs.py. First fp16, the seed's two speed tips together:
+# autocast with the GradScaler, whose first steps overflow by design (the fused SGD must skip them without leaving
+# garbage momentum), and gradients compressed to fp16 by the hook. Then fp32, and a resume from its CUDA checkpoint
+# (the optimizer this run configures, with the state's values).
+step train_fp16_hook_fp16 90 "${checked[@]}" "${fp16[@]}" --amp fp16 --comm-hook fp16 --checkpoint-dir "$work/fp16" \
+    --metrics-file "$work/train_fp16_hook_fp16.jsonl"
+learned train_fp16_hook_fp16 checked
+verify train_fp16_hook_fp16 "s = ck('fp16/last.pt')['scaler']; assert 0 < s['scale'] <= 2**16, s"
+step train_fp32 90 "${checked[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/train_fp32.jsonl"
+learned train_fp32 checked
+verify train_fp32 "assert '$on' in log('train_fp32')"
+step resume 90 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
+    --metrics-file "$work/train_fp32.jsonl"
+verify resume "val_samples = $val; assert 'at epoch 3 step 0' in log('resume'); learned('train_fp32.jsonl', 3)
+assert ck('fp32/last.pt')['epoch'] == 3"
+
 # Two ranks on the one device over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of 8 images
 # each must give the weights and batch-norm statistics of one process stepping on all 16 with plain batch norm,
 # and replicas that agree (replica_checksums stops if not). Unsynchronized statistics would differ. The process
 # group ends as train_ddp.py's does, the model freed first (a model alive at destroy_process_group() was the recipe
-# of the exit hang of torch < 2.14).  [25]
+# of the exit hang of torch < 2.14).
 cat >"$work/shared_device.py" <<'EOF'
 import argparse, os, torch, torch.nn.functional as F, torchvision, guard, train_ddp
 args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none", compile=False, backend="gloo",
@@ -362,67 +402,24 @@ with train_ddp.process_group(args, torch.device("cpu")):  # gloo, whatever the t
 EOF
 step shared_device_sync_bn_and_replicas 90 "${torchrun[@]}" --nproc-per-node 2 "$work/shared_device.py"
 
-step train_fp32 90 "${checked[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/train_fp32.jsonl"  # [20]
-learned train_fp32 checked
-verify train_fp32 "assert '$on' in log('train_fp32')"
-step resume 90 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
-    --metrics-file "$work/train_fp32.jsonl"  # [15]
-verify resume "val_samples = $val; assert 'at epoch 3 step 0' in log('resume'); learned('train_fp32.jsonl', 3)
-assert ck('fp32/last.pt')['epoch'] == 3"
-step evaluate 60 "${train[@]}" --evaluate --resume "$work/fp32/last.pt" --metrics-file "$work/evaluate.jsonl"  # [12]
-verify evaluate "e, = m('evaluate.jsonl'); t = m('train_fp32.jsonl')[-1]
-assert e['epoch'] == 3 and e['val_samples'] == $val, e
-assert abs(e['val_acc1'] - t['val_acc1']) <= 100 / $val, (e, t)  # cudnn may pick other kernels: one image at most"
-
 # SIGTERM mid-epoch to a one-process run that also saves every 10 steps (the copy from the GPU, the writer thread):
-# it saves last.pt at the step it reached and exits 0; the resumed run goes on from the next step. ($0 of the inline
-# script is the step's log.)  [20, 15]
+# it saves last.pt at the step it reached and exits 0. ($0 of the inline script is the step's log.)
 sigterm_after_step_20='"$@" & for _ in $(seq 900); do grep -q "step 20/" "$0" && break; sleep 0.1; done
 kill -TERM $!; wait $!'
 step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
     --epochs 1 --log-every 1 --save-every 10 --checkpoint-dir "$work/sigterm"
 verify sigterm "assert 'continue with --resume' in log('sigterm'), 'no checkpoint line'
 c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c['epoch'], c['step'])"
-step sigterm_resume 120 "${train[@]}" "${long[@]}" --epochs 1 --checkpoint-dir "$work/sigterm" \
-    --resume "$work/sigterm/last.pt"
-verify sigterm_resume "import re; stopped = re.search(r'SIGTERM at epoch 1 step (\d+)/', log('sigterm'))[1]
-assert f'at epoch 1 step {stopped}' in log('sigterm_resume') and ck('sigterm/last.pt')['epoch'] == 1"
-
-step train_bf16_channels_last 90 "${checked[@]}" --amp bf16 --channels-last --checkpoint-dir "$work/bf16" \
-    --metrics-file "$work/train_bf16_channels_last.jsonl"  # [18]
-learned train_bf16_channels_last checked
-step train_fp16 90 "${checked[@]}" "${fp16[@]}" --amp fp16 --checkpoint-dir "$work/fp16" \
-    --metrics-file "$work/train_fp16.jsonl"  # [18]: the GradScaler too, which the fused SGD keeps from syncing
-learned train_fp16 checked
-verify train_fp16 "s = ck('fp16/last.pt')['scaler']; assert 0 < s['scale'] <= 2**16, s"
-# The fp16 hook casts as the bf16 one does; PowerSGD runs its own collectives and QR.  [18 each]
-for hook in fp16 powersgd; do
-    step "hook_$hook" 90 "${train[@]}" --comm-hook "$hook" --warmup-epochs 0.25 --checkpoint-dir "$work/hook_$hook" \
-        --metrics-file "$work/hook_$hook.jsonl"
-    learned "hook_$hook"
-done
-# A fine-tune: train_fp32's checkpoint (10 classes) into a model of 4, whose classifier is new.  [18]
-step weights 90 "${train[@]}" --weights "$work/fp32/last.pt" --num-classes 4 --checkpoint-dir "$work/weights" \
-    --metrics-file "$work/weights.jsonl"
-learned weights
-verify weights "assert f'from {work}/fp32/last.pt (new fc)' in log('weights'), 'no new classifier'"
 
 # Speed: ResNet-50, synthetic batches already on the device, one process without and with DDP (bench_train.py's
-# table: | link | batch | configuration | images/s (runs) | ...).  [40]
+# table: | link | batch | configuration | images/s (runs) | ...).
 step speed_bf16_channels_last 150 $py "${bench[@]}" --configs single "ddp default" --amp bf16 --channels-last
 verify speed_bf16_channels_last "rows = [r.split('|') for r in log('speed_bf16_channels_last').splitlines()
         if r.startswith('| this machine |')]
 assert len(rows) == 2, rows
 print('NOTE', ', '.join(f'{r[3].strip()} {r[4].split()[0]} img/s' for r in rows))"
 
-# Real images: the photographs through train_ddp.py's input pipeline, against the synthetic batches above.  [25, 35]
-step photographs 90 $py benchmarks/bench_data.py --write-folder "$work/photos" "${photos[@]}"
-step real_data 150 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py --data "$work/photos" "${real[@]}" \
-    --epochs 1 --log-every 2 --checkpoint-dir "$work/real" --metrics-file "$work/real_data.jsonl"
-verify real_data "r, = m('real_data.jsonl'); assert r['images_per_sec'] > 0 and 0 <= r['data_wait'] < 1, r
-print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}\")"
-
-step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"  # [90]
+step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
 learned compile
 verify compile "assert 'compiled (the first step compiles' in log('compile')"
 exit 0  # finish(), the EXIT trap, reports and sets the exit code
