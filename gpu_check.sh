@@ -8,7 +8,7 @@
 # replicas against one process); SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py);
 # --compile.
 #
-#   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds in all (default 540)
+#   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds from its start (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
 #                                     # steps that need CUDA are skipped), to prove the script itself and time it,
 #                                     # in a venv without pytest, scikit-learn and pynvml, as the GPU machine
@@ -50,7 +50,8 @@ planned() {  # name: its estimated seconds, if the plan has that step
     done
     return 1
 }
-for name in ${ONLY:-}; do  # a misspelt name would leave nothing to run, and a check that passes
+read -ra only <<<"${ONLY:-}"  # the names, split on any blanks, never globbed
+for name in "${only[@]}"; do  # a misspelt name would leave nothing to run, and a check that passes
     if ! planned "$name" >/dev/null; then
         echo "gpu_check.sh: error: ONLY names no step '$name'; expected names from the plan:" \
             "$(for ((i = 0; i < ${#plan[@]}; i += 2)); do printf '%s ' "${plan[i]}"; done)" >&2
@@ -69,7 +70,7 @@ mkdir -p "$logs"
 # tee ignores TERM and INT: a signal to the whole process group (timeout, ^C) must leave it to write the
 # trap's lines, or the trap's first write would kill the shell before it ends the step in flight.
 exec > >(trap '' TERM INT; exec tee "$out/gpu_check.log") 2>&1
-deadline=$((SECONDS + ${DEADLINE:-540}))
+deadline=${DEADLINE:-540}  # from the script's start, as SECONDS counts: the GPU probe and the set-up too
 export OMP_NUM_THREADS=4 PYTHONPATH=$PWD PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN
 if ((rehearse)); then
     # What the GPU machine lacks is missing here too, so that a rehearsal fails where the one try would: a virtual
@@ -90,7 +91,9 @@ running= current= current_began= finished=false failed=0 incomplete=0
 # The pid of the step in flight, and every process under it (torchrun starts its workers in sessions of their own).
 tree() {
     timeout 10 $py - "$1" <<'EOF'
-import os, sys
+import os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # timeout gives it TERM back: the traps' second TERM must not end it
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 parents = {}
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
@@ -152,8 +155,8 @@ record() {  # name result seconds [note]
     write_summary
 }
 
-wanted() {  # name: whether ONLY, if set, names it
-    [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]
+wanted() {  # name: whether ONLY, if it names any step, names this one
+    ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" $1 "* ]]
 }
 
 passed() {  # name: whether that step is the last one recorded, and it passed
@@ -223,7 +226,8 @@ exec(check)
 print("verified")
 EOF
     then
-        notes[-1]=$(grep '^NOTE ' "$logs/$name.log" | tail -n 1 | cut -c6- | tr -d '"\\')
+        # Without what JSON cannot hold unescaped: quotes, backslashes, control characters.
+        notes[-1]=$(grep '^NOTE ' "$logs/$name.log" | tail -n 1 | cut -c6- | tr -d '"\\\000-\037')
     else
         tail -n 8 "$logs/$name.log"
         results[-1]=FAIL
@@ -234,7 +238,7 @@ EOF
 finish() {
     local status=$? i
     # timeout sends its TERM twice, to the script and then to its whole group: a second one must not cut the clean-up
-    # short, nor kill what it starts (the process-tree scan), which inherit the ignoring.
+    # short, nor kill what it starts (sleep inherits the ignoring; the process-tree scan ignores it itself).
     trap '' TERM INT
     if [[ -n $running ]]; then
         kill_tree "$running"
