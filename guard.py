@@ -38,7 +38,8 @@ import gather_utils
 # expects): torchrun's agent polls its workers and the waiting nodes every 0.1 s (5 s on torch 2.3).
 ELASTIC_WAIT = 10
 # What NCCL writes, when it fails, to the store beneath a torchrun attempt's prefix
-# (ProcessGroupNCCL.hpp: kStoreDumpKey, kStoreErrorSignalKey; torch 2.3 named the first timeout_dump).
+# (ProcessGroupNCCL.hpp: kStoreDumpKey, kStoreErrorSignalKey; torch 2.3 named the first
+# timeout_dump).
 NCCL_SIGNAL_KEYS = ["exception_dump", "remote_error", "timeout_dump"]
 BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
@@ -58,9 +59,15 @@ def fail(message, code=2):
     sys.exit(code)
 
 
-def rank_error(message, code=1):
-    """An error of this rank's own, which the others may not see: each rank says it, one line."""
+def rank_error(message, code=1, at_once=False):
+    """An error of this rank's own, which the others may not see: each rank says it, one line.
+    at_once: exit without Python's clean-up, which a broken process group can block
+    (collective_failed)."""
     say(f"error: rank {world_from_env()[0]}: {message}")
+    if at_once:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -412,12 +419,9 @@ def collective_failed(error, args):
     recorded = f"; its last collectives: {trace}"
     if shutil.which("torchfrtrace"):  # torch 2.3 has no such tool
         recorded += f" (every rank's: torchfrtrace {trace.parent})"
-    say(f"error: rank {world_from_env()[0]}: a collective failed: another rank stopped, or stopped "
-        f"answering for --collective-timeout {args.collective_timeout:g} s; look for its own error "
-        f"({first_line(error)})" + (recorded if trace.is_file() else ""))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    rank_error(f"a collective failed: another rank stopped, or stopped answering for "
+               f"--collective-timeout {args.collective_timeout:g} s; look for its own error "
+               f"({first_line(error)})" + (recorded if trace.is_file() else ""), at_once=True)
 
 
 def check_same_start(checkpoint):
@@ -672,6 +676,7 @@ def own_checkpoint(args):
 
 
 def read_checkpoint(path):
+    """The file --resume names, else one line and exit 2."""
     if not path.is_file():
         fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
     try:

@@ -67,7 +67,7 @@ def main(argv=None):
     device = setup_device(args)  # 2. device
     with process_group(args, device):  # 3. process group; 8. clean-up when the block ends
         train_or_evaluate(args, device, resume_from, checkpoint, stop)
-    if stop:  # an elastic job goes on without a node that left (docs/launching.md)
+    if stop is not None:  # an elastic job goes on without a node that left (docs/launching.md)
         stop.leave_as_the_elastic_agent_expects()
 
 

@@ -4,14 +4,15 @@
     python benchmarks/bench_data.py --write-folder /tmp/photos --images 4096   # an ImageFolder of them, for --data
 
 The photographs are crops at ImageNet's usual size (about 500 x 375) of scikit-learn's two sample
-photographs (a test and benchmark dependency only), flipped and shifted at random, saved as JPEG
-at quality 90. Without scikit-learn (gpu_check.sh's GPU machine has torch and torchvision alone),
-two pictures made with torch stand in for them, and the writer says so. Each pipeline is timed per image in this process, on one thread (so images/s per
-core), and through a DataLoader (2 workers, batch 64, collation and the transfer of the batches to
-this process, after the workers have started), in rounds that take the pipelines in turn. The
-table shows each one's median over the rounds and its ratio to the PIL recipe (and to decoding
-alone). train_ddp.py's own datasets are imported from it: its batches are uint8, normalized later
-on the device (not counted here: on a GPU that is the GPU's work).
+photographs (a test and benchmark dependency only), flipped and shifted at random, saved as JPEG at
+quality 90. Without scikit-learn (a GPU machine may have torch and torchvision alone), two pictures
+made with torch stand in for them, and the writer says so. Each pipeline is timed per image in this
+process, on one thread (so images/s per core), and through a DataLoader (2 workers, batch 64,
+collation and the transfer of the batches to this process, after the workers have started), in
+rounds that take the pipelines in turn. The table shows each one's median over the rounds and its
+ratio to the PIL recipe (and to decoding alone). train_ddp.py's own datasets are imported from it:
+its batches are uint8, normalized later on the device (not counted here: on a GPU that is the GPU's
+work).
 """
 
 import argparse
