@@ -615,6 +615,15 @@ def epoch_line(record, args):
             f"{record['epoch_seconds']:.1f} s")
 
 
+def stop_line(run, args, mid_epoch):
+    """The last line of a run that a SIGTERM stopped: where, and how to go on from there."""
+    if mid_epoch:
+        where = f"at epoch {run.epoch + 1} step {run.step}/{run.steps_per_epoch}"
+    else:  # after an epoch's checkpoint and validation: run stands at the next epoch's start
+        where = f"after epoch {run.epoch}"
+    return f"stopped by SIGTERM {where}; continue with --resume {last_checkpoint(args)}"
+
+
 def resume_line(path, checkpoint, args, run):
     """What this run changes, and then trains with: the batch over all ranks, the optimizer's."""
     saved_args = checkpoint["args"]

@@ -329,9 +329,7 @@ def fit(run, train_set, val_set, args, to_input, stop):
         train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)
         if stopped:
             save_checkpoint(run, args)
-            log(f"stopped by SIGTERM at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}; "
-                f"continue with --resume {guard.last_checkpoint(args)}")
-            return
+            return log(guard.stop_line(run, args, mid_epoch=True))
         run.epoch, run.samples, run.step = epoch + 1, 0, 0
         # Precise batch norm: statistics for the weights as they are, the same on every rank.
         guard.recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
@@ -343,9 +341,7 @@ def fit(run, train_set, val_set, args, to_input, stop):
         append_metrics(args, record)
         log(guard.epoch_line(record, args))
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
-            log(f"stopped by SIGTERM after epoch {epoch + 1}; "
-                f"continue with --resume {guard.last_checkpoint(args)}")
-            return
+            return log(guard.stop_line(run, args, mid_epoch=False))
 
 
 def train_one_epoch(run, loader, args, to_input, stop):
