@@ -17,6 +17,7 @@ if __name__ == "__main__":
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -135,6 +136,9 @@ def process_group(args, device):
     init_distributed(args, device)
     try:
         yield
+        # With --compile the model can outlive train_or_evaluate in reference cycles, and hold the
+        # group: freed at exit, its threads would abort Python (docs/troubleshooting.md).
+        gc.collect()
         # Before torch 2.14 a rank could hang at exit without works that outlive the group
         # (docs/testing.md): a barrier, and on GPUs an all-reduce on gloo's side of the group.
         finished = [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]

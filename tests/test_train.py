@@ -587,13 +587,16 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
     assert results["weights"]["val_loss"] < results["scratch"]["val_loss"] / 5, results
 
 
-def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
-    # inductor on the CPU (the machine's gcc), 2 ranks, with SyncBN, accumulation, bf16 autocast and PowerSGD
-    # all on: each logged loss within 2% of the eager run's (kernels that fuse and order their sums otherwise may
-    # round otherwise; here they agreed to 4 decimals), and each run's checkpoint resumes in the other mode.
-    args = ["--arch", "resnet18", "--train-samples", "128", "--val-samples", "16", "--batch-size", "8", "--lr", "0.02",
+# inductor on the CPU (the machine's gcc), 2 ranks, with SyncBN, accumulation, bf16 autocast and PowerSGD all on
+COMPILED = ["--arch", "resnet18", "--train-samples", "128", "--val-samples", "16", "--batch-size", "8", "--lr", "0.02",
             "--log-every", "2", "--sync-bn", "--accum-steps", "2", "--amp", "bf16", "--comm-hook", "powersgd",
             "--warmup-epochs", "0"]
+
+
+def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
+    # Each logged loss within 2% of the eager run's (kernels that fuse and order their sums otherwise may round
+    # otherwise; here they agreed to 4 decimals), and each run's checkpoint resumes in the other mode.
+    args = COMPILED
     losses = {}
     for mode in ["eager", "compiled"]:
         flags = ["--compile"] if mode == "compiled" else []
@@ -612,6 +615,27 @@ def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
                                  "--resume", tmp_path / other / "last.pt"), timeout=300))
         assert f"resumed from {tmp_path / other / 'last.pt'} at epoch 2 step 0" in result.stdout
         assert load(tmp_path / other / "last.pt")["epoch"] == 2
+
+
+def test_a_compiled_run_frees_its_model_and_group_before_python_exits(tmp_path):
+    # A compiled model with CPU SyncBN outlived train_or_evaluate in reference cycles (through frames torch._dynamo
+    # keeps), and its group outlived destroy_process_group. Python's exit freed them: a gloo work thread, releasing
+    # a tensor, then waited for the GIL of an interpreter that was finalizing, and aborted the process ("terminate
+    # called without an active exception", in 1 run of 20). Once main() returns, neither may be left.
+    script = tmp_path / "after_main.py"
+    script.write_text(
+        "import gc, json, os, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import train_ddp\n"
+        "train_ddp.main(sys.argv[1:])\n"
+        "models = [o for o in gc.get_objects() if isinstance(o, train_ddp.DDP)]\n"
+        "threads = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        f"with open({str(tmp_path)!r} + '/left' + os.environ['RANK'], 'w') as f:\n"
+        "    json.dump({'models': len(models), 'group_threads': threads.count('pt_gloo_runloop')}, f)\n")
+    ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+            *COMPILED, "--compile", "--epochs", "1", "--checkpoint-dir", tmp_path], timeout=300))
+    for rank in range(2):
+        assert json.loads((tmp_path / f"left{rank}").read_text()) == {"models": 0, "group_threads": 0}
 
 
 def test_every_rank_exits_after_train_resume_and_evaluate(tmp_path):
