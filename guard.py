@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -856,6 +855,25 @@ def powersgd_hook_for_gloo_too(state, bucket):
         future.wait()
     return future
 
+class SumOverRanks(torch.autograd.Function):
+    """A differentiable all-reduce: the sum of every rank's tensor, on every rank. Each rank's
+    output feeds that rank's loss, so the gradient of each input is the sum of all outputs'
+    gradients: an all-reduce again. (torch.distributed.nn's all_reduce does this too, but is
+    deprecated, and raises under torch.compile, where each call broke the graph.)"""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total)
+        return total
+
+
 class CPUSyncBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over all ranks on CPUs (gloo), where nn.SyncBatchNorm does not
     run, for torchvision's affine BatchNorm2d layers. The sums travel through a differentiable
@@ -866,7 +884,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
             return super().forward(x)
         c, xf = x.shape[1], x.float()
         count = xf.new_full((1,), x.numel() / c)
-        totals = dist_nn.all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
+        totals = SumOverRanks.apply(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
         n = totals[-1]
         mean = totals[:c] / n
         var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0

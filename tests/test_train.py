@@ -306,12 +306,15 @@ def test_distributed_validation_equals_single_process(tmp_path):
     # Two micro-batches per step, each the same 8 images in both runs: DDP all-reduces only the
     # second one's backward, and the accumulated gradients must still match one process's.
     (["--batch-size", "4", "--accum-steps", "2"], ["--batch-size", "8", "--accum-steps", "2"]),
-], ids=["one-batch", "accum-steps"])
+    # The all-reduces of the statistics and of their gradients traced by torch.compile, not run beside it.
+    (["--batch-size", "8", "--compile"], ["--batch-size", "16"]),
+], ids=["one-batch", "accum-steps", "compiled"])
 def test_sync_bn_two_ranks_match_one_process_with_double_batch(tmp_path, ddp_args, single_args):
     # One optimizer step: 2 ranks with synchronized batch norm against 1 process with twice the batch.
     one_step = ["--arch", "resnet18", "--train-samples", "16", "--val-samples", "4", "--epochs", "1",
                 "--sync-bn", "--lr", "0.5"]
-    ok(run(torchrun(2, *one_step, *ddp_args, "--checkpoint-dir", tmp_path / "ddp")))
+    distributed = ok(run(torchrun(2, *one_step, *ddp_args, "--checkpoint-dir", tmp_path / "ddp")))
+    assert "torch.distributed.nn" not in distributed.stderr  # its all_reduce is deprecated (torch 2.14)
     ok(run([sys.executable, TRAIN, *one_step, *single_args, "--checkpoint-dir", str(tmp_path / "single")]))
     ddp, single = load(tmp_path / "ddp" / "last.pt")["model"], load(tmp_path / "single" / "last.pt")["model"]
     torch.manual_seed(0)  # what train_ddp.py starts from
@@ -588,30 +591,30 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
 
 
 # inductor on the CPU (the machine's gcc), 2 ranks, with SyncBN, accumulation, bf16 autocast and PowerSGD all on
-COMPILED = ["--arch", "resnet18", "--train-samples", "128", "--val-samples", "16", "--batch-size", "8", "--lr", "0.02",
-            "--log-every", "2", "--sync-bn", "--accum-steps", "2", "--amp", "bf16", "--comm-hook", "powersgd",
+COMPILED = ["--arch", "resnet18", "--train-samples", "128", "--val-samples", "16", "--batch-size", "8", "--lr", "0.002",
+            "--log-every", "1", "--sync-bn", "--accum-steps", "2", "--amp", "bf16", "--comm-hook", "powersgd",
             "--warmup-epochs", "0"]
 
 
 def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
-    # Each logged loss within 2% of the eager run's (kernels that fuse and order their sums otherwise may round
-    # otherwise; here they agreed to 4 decimals), and each run's checkpoint resumes in the other mode.
-    args = COMPILED
+    # Each step's loss within 2% of the eager run's: inductor's fused bf16 kernels round otherwise (0.5% apart
+    # before the first update, measured), and each update carries that on: 1.0% apart at most over the 4 steps at
+    # this learning rate, 1.9% at 0.02. And each run's checkpoint resumes in the other mode.
     losses = {}
     for mode in ["eager", "compiled"]:
         flags = ["--compile"] if mode == "compiled" else []
-        result = ok(run(torchrun(2, *args, *flags, "--epochs", "1", "--checkpoint-dir", tmp_path / mode),
+        result = ok(run(torchrun(2, *COMPILED, *flags, "--epochs", "1", "--checkpoint-dir", tmp_path / mode),
                         timeout=300))
         losses[mode] = [float(loss) for loss in re.findall(r" loss (\S+) lr ", result.stdout)]
     assert "compiled (the first step compiles" in result.stdout
-    assert len(losses["eager"]) == len(losses["compiled"]) == 2, losses
+    assert len(losses["eager"]) == len(losses["compiled"]) == 4, losses
     for eager, compiled in zip(losses["eager"], losses["compiled"]):
         assert abs(compiled - eager) <= 0.02 * eager, losses
     keys = {mode: load(tmp_path / mode / "last.pt")["model"].keys() for mode in ["compiled", "eager"]}
     assert keys["compiled"] == keys["eager"]
     for mode, other in [("eager", "compiled"), ("compiled", "eager")]:  # each resumes the other's last.pt
         flags = ["--compile"] if mode == "compiled" else []
-        result = ok(run(torchrun(2, *args, *flags, "--epochs", "2", "--checkpoint-dir", tmp_path / other,
+        result = ok(run(torchrun(2, *COMPILED, *flags, "--epochs", "2", "--checkpoint-dir", tmp_path / other,
                                  "--resume", tmp_path / other / "last.pt"), timeout=300))
         assert f"resumed from {tmp_path / other / 'last.pt'} at epoch 2 step 0" in result.stdout
         assert load(tmp_path / other / "last.pt")["epoch"] == 2
