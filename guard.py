@@ -855,6 +855,7 @@ def powersgd_hook_for_gloo_too(state, bucket):
         future.wait()
     return future
 
+
 class SumOverRanks(torch.autograd.Function):
     """A differentiable all-reduce: the sum of every rank's tensor, on every rank. Each rank's
     output feeds that rank's loss, so the gradient of each input is the sum of all outputs'

@@ -136,8 +136,8 @@ def process_group(args, device):
     init_distributed(args, device)
     try:
         yield
-        # With --compile the model can outlive train_or_evaluate in reference cycles, and hold the
-        # group: freed at exit, its threads would abort Python (docs/troubleshooting.md).
+        # A compiled model leaves reference cycles that hold the group past its end: freed at
+        # Python's exit instead, the group's threads would abort it (docs/troubleshooting.md).
         gc.collect()
         # Before torch 2.14 a rank could hang at exit without works that outlive the group
         # (docs/testing.md): a barrier, and on GPUs an all-reduce on gloo's side of the group.

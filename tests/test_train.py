@@ -621,9 +621,9 @@ def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
 
 
 def test_a_compiled_run_frees_its_model_and_group_before_python_exits(tmp_path):
-    # A compiled model with CPU SyncBN outlived train_or_evaluate in reference cycles (through frames torch._dynamo
-    # keeps), and its group outlived destroy_process_group. Python's exit freed them: a gloo work thread, releasing
-    # a tensor, then waited for the GIL of an interpreter that was finalizing, and aborted the process ("terminate
+    # After a compiled run with CPU SyncBN, reference cycles held the group past destroy_process_group (and, before
+    # SyncBN had its own all-reduce, the DDP model too). Python's exit freed them: a gloo work thread, releasing a
+    # tensor, then waited for the GIL of an interpreter that was finalizing, and aborted the process ("terminate
     # called without an active exception", in 1 run of 20). Once main() returns, neither may be left.
     script = tmp_path / "after_main.py"
     script.write_text(
