@@ -624,7 +624,7 @@ def test_a_compiled_run_frees_its_model_and_group_before_python_exits(tmp_path):
     # After a compiled run with CPU SyncBN, reference cycles held the group past destroy_process_group (and, before
     # SyncBN had its own all-reduce, the DDP model too). Python's exit freed them: a gloo work thread, releasing a
     # tensor, then waited for the GIL of an interpreter that was finalizing, and aborted the process ("terminate
-    # called without an active exception", in 1 run of 20). Once main() returns, neither may be left.
+    # called without an active exception", 2 runs of 31). Once main() returns, neither may be left.
     script = tmp_path / "after_main.py"
     script.write_text(
         "import gc, json, os, sys\n"
