@@ -11,6 +11,9 @@
 #   MAX_RESTARTS   restart failed workers this often (default 0, elastic 3); they resume from the job's last.pt
 #   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); train_ddp.py resumes
 #                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
+#   RDZV_HOST      elastic: 1 on the node that hosts the rendezvous, 0 elsewhere; found by itself unless
+#                  MASTER_ADDR is an address no node holds (a NAT or public address)
+#   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME  passed on as they are; default: the interface to MASTER_ADDR
 #   OMP_NUM_THREADS  default: CPU cores / N, at least 1
 # train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
 set -euo pipefail
@@ -25,18 +28,32 @@ set -euo pipefail
 # job's end and close the rendezvous for every node, is killed; the workers save with the others
 # and exit, and the other nodes go on without this one (docs/launching.md).
 stopping=0 torchrun_pid=
+children() {  # the pids whose parent is $1, read from /proc: slim images lack procps (pgrep)
+    local stat line ppid
+    for stat in /proc/[0-9]*/stat; do
+        { read -r line <"$stat"; } 2>/dev/null || continue
+        read -r _ ppid _ <<<"${line##*) }"  # after the command's name, which may hold blanks
+        if [[ $ppid == "$1" ]]; then stat=${stat#/proc/}; echo "${stat%/stat}"; fi
+    done
+}
+running() {  # pid: not ended, nor a zombie that nobody reaps (a container's init may not)
+    local line
+    { read -r line <"/proc/$1/stat"; } 2>/dev/null && [[ ${line##*) } != Z* ]]
+}
 forward() {
-    while [[ -n $torchrun_pid ]] && kill -0 "$torchrun_pid" 2>/dev/null; do
-        pkill -TERM -P "$torchrun_pid" || true
+    local pid
+    while [[ -n $torchrun_pid ]] && running "$torchrun_pid"; do
+        for pid in $(children "$torchrun_pid"); do kill -TERM "$pid" 2>/dev/null || true; done
         sleep 1
     done
 }
-leave() {
+leave() {  # torchrun stopped first: it can start no worker that the SIGTERMs would miss
     local workers pid
-    workers=$(pgrep -P "$torchrun_pid") || true
+    kill -STOP "$torchrun_pid" 2>/dev/null || true
+    workers=$(children "$torchrun_pid")
     for pid in $workers; do kill -TERM "$pid" 2>/dev/null || true; done
     kill -KILL "$torchrun_pid" 2>/dev/null || true
-    for pid in $workers; do while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done; done
+    for pid in $workers; do while running "$pid"; do sleep 0.2; done; done
     exit 143
 }
 stop() { if [[ ${NNODES:-} == *:* ]]; then leave; else forward; fi; }
@@ -67,6 +84,23 @@ if [[ -n ${NNODES:-} ]]; then
         exit 2
     fi
 fi
+for name in INIT_TIMEOUT LAST_CALL MAX_RESTARTS; do
+    if [[ ! ${!name:-0} =~ ^[0-9]+$ ]]; then
+        echo "launch.sh: error: $name must be a whole number of seconds or restarts, got '${!name}'" >&2
+        exit 2
+    fi
+done
+if [[ ! ${RDZV_HOST:-0} =~ ^[01]$ ]]; then
+    echo "launch.sh: error: RDZV_HOST must be 1 (this node hosts the rendezvous) or 0, got '$RDZV_HOST'" >&2
+    exit 2
+fi
+# A node that leaves stays in the rendezvous until it misses 3 heartbeats of 5 s; the others then wait
+# LAST_CALL for more nodes: all of it within INIT_TIMEOUT, or every leave ends the job.
+if [[ ${NNODES:-} == *:* ]] && (( ${INIT_TIMEOUT:-60} <= ${LAST_CALL:-30} + 15 )); then
+    echo "launch.sh: error: INIT_TIMEOUT ${INIT_TIMEOUT:-60} s must be more than LAST_CALL ${LAST_CALL:-30} s" \
+        "+ 15 s, the time a node that left stays in the rendezvous (3 missed heartbeats of 5 s)" >&2
+    exit 2
+fi
 
 cores=$(getconf _NPROCESSORS_ONLN)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
@@ -79,33 +113,62 @@ LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
 restarts=${MAX_RESTARTS:-0}
 if [[ -n ${NNODES:-} ]]; then
     : "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
-    port=${MASTER_PORT:-29500} own= is_host=
+    port=${MASTER_PORT:-29500} addr=$MASTER_ADDR is_host= host_why= node_addr= dev=
+    # Node 0 hosts an elastic job's rendezvous: MASTER_ADDR is this hostname, or it (or an address its name
+    # resolves to, such as Debian's 127.0.1.1 for the machine's own name) is an address of this machine.
+    if [[ ${MASTER_ADDR%%.*} == "${HOSTNAME%%.*}" ]]; then
+        is_host=true host_why="MASTER_ADDR is this hostname"
+    fi
     # gloo finds its address from the hostname, which often resolves to 127.0.1.1: unless set, both backends
     # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it), and torchrun this node's
-    # address there. An elastic job's rendezvous is hosted by node 0's launcher (is_host): torch would guess
-    # it from the hostname too.
+    # address there.
     if command -v ip >/dev/null; then
-        addr=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}') || true
-        if [[ -z $addr ]]; then
+        addrs=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1}' | sort -u) || true
+        if [[ -z $addrs ]]; then
             echo "launch.sh: error: MASTER_ADDR '$MASTER_ADDR' does not resolve here; expected node 0's address" >&2
             exit 2
         fi
-        own=$(ip -o addr show to "$addr" | awk '{print $2; exit}')  # on node 0, which holds MASTER_ADDR
-        case $own in lo) ;; "") is_host=false ;; *) is_host=true ;; esac  # on loopback: torch's guess
-        dev=${GLOO_SOCKET_IFNAME:-$own}
-        [[ -n $dev ]] || dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
+        addr=${addrs%%$'\n'*} is_host=${is_host:-false}
+        for local in $addrs; do
+            if [[ $(ip route get "$local" 2>/dev/null) == local* ]]; then
+                addr=$local is_host=true host_why="this machine holds MASTER_ADDR $local"
+            fi
+        done
+        why="reaches MASTER_ADDR $addr"
+        if [[ -n ${GLOO_SOCKET_IFNAME:-} ]]; then  # the user's, a list too (eth0,eth1): names gloo must find
+            for dev in ${GLOO_SOCKET_IFNAME//,/ }; do
+                if [[ ! -e /sys/class/net/$dev ]]; then
+                    names=(/sys/class/net/*)
+                    echo "launch.sh: error: GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME names '$dev', which this" \
+                        "machine lacks; expected some of its interfaces: ${names[*]##*/}" >&2
+                    exit 2
+                fi
+            done
+            dev=${GLOO_SOCKET_IFNAME%%,*}
+        elif [[ $is_host == true ]]; then  # the interface that holds it; for loopback, the default route's
+            dev=$(ip -o addr show to "$addr" | awk '$2 != "lo" {print $2; exit}')
+            if [[ -z $dev ]]; then
+                dev=$(ip route show default | grep -o 'dev [^ ]*' | cut -d' ' -f2 | head -n 1)
+                why="the default route's: MASTER_ADDR is $addr, on loopback here"
+            fi
+        else
+            dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
+        fi
         if [[ -n $dev && $dev != lo ]]; then
             node_addr=$(ip -o -4 addr show dev "$dev" | awk '{sub("/.*", "", $4); print $4; exit}')
         fi
-        if [[ -z ${GLOO_SOCKET_IFNAME:-} && -n ${node_addr:-} ]]; then
+        if [[ -z ${GLOO_SOCKET_IFNAME:-} && -n $node_addr ]]; then
             export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
-            echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" \
-                "(reaches MASTER_ADDR $addr)" >&2
-        elif [[ -z ${GLOO_SOCKET_IFNAME:-} ]]; then  # no route, or node 0's own name mapped to loopback
+            echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME ($why)" >&2
+        elif [[ -z ${GLOO_SOCKET_IFNAME:-} ]]; then  # no route, or no interface but loopback
             echo "launch.sh: only loopback reaches MASTER_ADDR $addr: set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME" >&2
         fi
     fi
     if [[ $NNODES == *:* ]]; then
+        case ${RDZV_HOST:-} in
+            1) is_host=true host_why="RDZV_HOST=1" ;;
+            0) is_host=false ;;
+        esac
         # torchrun's c10d rendezvous, hosted by node 0's launcher, which must stay; every round's rank 0 hosts
         # its workers' store (not the first round's, which may be gone).
         export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NNODES
@@ -113,7 +176,12 @@ if [[ -n ${NNODES:-} ]]; then
         conf="join_timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}${is_host:+,is_host=$is_host}"
         rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$port" --rdzv-conf "$conf"
                     --rdzv-id "${RUN_ID:-$SLURM_JOB_ID}" ${node_addr:+--local-addr "$node_addr"})
-        if [[ $is_host == false ]]; then  # the rendezvous must answer within INIT_TIMEOUT, or one line here
+        if [[ $is_host == true ]]; then
+            echo "launch.sh: this node hosts the rendezvous at $MASTER_ADDR:$port ($host_why): it must stay to" \
+                "the job's end; MASTER_ADDR must not be a node that may leave (a spot node)" >&2
+        elif [[ $is_host == false ]]; then  # the rendezvous must answer within INIT_TIMEOUT, or one line here
+            echo "launch.sh: joining the rendezvous at $MASTER_ADDR:$port, which another node hosts" \
+                "(RDZV_HOST=1 if this one does)" >&2
             wait_for_rendezvous "$MASTER_ADDR" "$port" "${INIT_TIMEOUT:-60}"
         fi
     else

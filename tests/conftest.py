@@ -43,7 +43,8 @@ def free_port():
 # them (a TORCHELASTIC_RESTART_COUNT above 0, for one, makes train_ddp.py resume from a stale last.pt).
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_", "MASTER_", "TORCHELASTIC_", "TORCH_ELASTIC_", "PET_", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                      "SLURM_", "NNODES", "NODE_RANK", "MAX_RESTARTS", "RUN_ID", "INIT_TIMEOUT")
+                      "SLURM_", "NNODES", "NODE_RANK", "MAX_RESTARTS", "RUN_ID", "INIT_TIMEOUT", "LAST_CALL",
+                      "RDZV_HOST")
 
 
 def clean_env(**extra):

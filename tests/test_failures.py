@@ -461,6 +461,34 @@ def test_an_elastic_job_without_a_run_id_fails_with_one_line():
         "launch.sh: error: NNODES=1:2 needs RUN_ID: one id for the job, the same on every node"]
 
 
+LAUNCH_ENV_INPUTS = {  # launch.sh's variables: each case's environment, and the one line it gets
+    "interface missing": (dict(NNODES="2", NODE_RANK="0", GLOO_SOCKET_IFNAME="lo,nonexistent9"),
+                          "launch.sh: error: GLOO_SOCKET_IFNAME=lo,nonexistent9 names 'nonexistent9', which this "
+                          "machine lacks; expected some of its interfaces: "),
+    "init timeout too short": (dict(NNODES="1:2", RUN_ID="a", INIT_TIMEOUT="40", LAST_CALL="25"),
+                               "launch.sh: error: INIT_TIMEOUT 40 s must be more than LAST_CALL 25 s + 15 s, the time "
+                               "a node that left stays in the rendezvous (3 missed heartbeats of 5 s)"),
+    "init timeout not a number": (dict(NNODES="1:2", RUN_ID="a", INIT_TIMEOUT="1m"),
+                                  "launch.sh: error: INIT_TIMEOUT must be a whole number of seconds or restarts, "
+                                  "got '1m'"),
+    "rendezvous host not 0 or 1": (dict(NNODES="1:2", RUN_ID="a", RDZV_HOST="yes"),
+                                   "launch.sh: error: RDZV_HOST must be 1 (this node hosts the rendezvous) or 0, "
+                                   "got 'yes'"),
+}
+
+
+@pytest.mark.parametrize("case", LAUNCH_ENV_INPUTS)
+def test_a_launch_variable_out_of_range_fails_with_one_line(case):
+    env, message = LAUNCH_ENV_INPUTS[case]
+    result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=30,
+                 env=clean_env(MASTER_ADDR="127.0.0.1", **env))
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(message), result.stderr
+    if case == "interface missing":  # the interfaces this machine has, loopback among them
+        assert "lo" in line[len(message):].split(), line
+
+
 def test_master_addr_that_does_not_resolve_fails_fast_with_one_line():
     env = clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="node0.invalid")
     result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=30, env=env)

@@ -41,8 +41,10 @@ def one_host(tmp_path_factory):
 
 
 def hostname_on_loopback(count):
-    """/etc/hosts as many distributions write it: the machine's own name at 127.0.1.1."""
-    return {i: f"127.0.0.1 localhost\n127.0.1.1 host{i}\n" for i in range(count)}
+    """/etc/hosts as many distributions write it: the machine's own name at 127.0.1.1, the others' at their
+    addresses."""
+    return {i: "127.0.0.1 localhost\n" + "".join(f"{'127.0.1.1' if j == i else f'{hosts.SUBNET}.{j + 1}'} host{j}\n"
+                                                for j in range(count)) for i in range(count)}
 
 
 class Job:
@@ -181,14 +183,28 @@ def test_an_elastic_job_takes_a_host_back_when_it_returns(tmp_path):
     assert "stopped by SIGTERM" in job.out(0) and load(tmp_path / "ck" / "last.pt")["world_size"] == 3
 
 
-def test_an_elastic_job_starts_when_each_hostname_is_on_loopback(tmp_path):
-    # Debian and Ubuntu map a machine's own name to 127.0.1.1: torch's guess of which node hosts the
-    # rendezvous (the hostname's addresses against MASTER_ADDR) fails on every node. launch.sh tells it.
+def test_an_elastic_job_starts_when_master_addr_is_node_0s_name_on_loopback_there(tmp_path):
+    # The SLURM recipe's MASTER_ADDR is node 0's name, which Debian and Ubuntu map to 127.0.1.1 on node 0 itself and
+    # the other nodes to its address: node 0 hosts the rendezvous all the same (torch's own guess, the hostname's
+    # addresses against MASTER_ADDR, fails on every node), and says that it must stay.
     args = [*FAST, "--epochs", "1", "--checkpoint-dir", tmp_path / "ck"]
     with hosts.Hosts(2, hosts_files=hostname_on_loopback(2)) as on:
-        job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "1:2", **ELASTIC})
+        job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "1:2", "MASTER_ADDR": "host0", **ELASTIC})
         assert job.wait(180) == [0, 0], job.report()
+    assert f"launch.sh: this node hosts the rendezvous at host0:{PORT} (this machine holds MASTER_ADDR 127.0.1.1): " \
+           "it must stay to the job's end" in job.err(0), job.report()
+    assert f"launch.sh: joining the rendezvous at host0:{PORT}, which another node hosts" in job.err(1), job.report()
     assert load(tmp_path / "ck" / "last.pt")["epoch"] == 1
+
+
+def test_an_elastic_job_on_two_network_cards_named_as_a_list_trains(tmp_path):
+    # GLOO_SOCKET_IFNAME=eth0,eth1: gloo spreads its connections over both cards, and launch.sh passes the list on
+    # as it is (torchrun's --local-addr: the first card's address).
+    args = [*FAST, "--epochs", "1", "--checkpoint-dir", tmp_path / "ck"]
+    with hosts.Hosts(2, cards=2) as on:
+        job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "2:2", "GLOO_SOCKET_IFNAME": "eth0,eth1", **ELASTIC})
+        assert job.wait(180) == [0, 0], job.report()
+    assert load(tmp_path / "ck" / "last.pt")["world_size"] == 2
 
 
 def test_an_elastic_rendezvous_that_cannot_form_ends_within_init_timeout_with_one_line(tmp_path):
@@ -249,6 +265,20 @@ def test_a_host_that_joins_never_ends_the_job_of_the_others(tmp_path):
             job.restart(2)
             assert job.wait(240) == [0, 0, 0], job.report()
             assert load(folder / "ck" / "last.pt")["world_size"] == 3, job.report()
+
+
+def test_a_host_that_joins_during_the_last_validation_never_fails_the_finished_job(tmp_path):
+    # NNODES=2:3: host 2 comes while hosts 0 and 1 validate the last epoch (a long validation). The agent that sees
+    # it first stops its workers; the others' finish the job. The ranks agree once more at the end, so that all
+    # restart together with host 2, resume the finished job and end with exit 0, instead of the first agent waiting
+    # for hosts that took the job for finished, until INIT_TIMEOUT.
+    args = [*FAST, "--epochs", "1", "--val-samples", "20000", "--checkpoint-dir", tmp_path / "ck"]
+    with hosts.Hosts(3) as on:
+        job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "2:3", **ELASTIC}, absent=[2])
+        job.wait_for("epoch 1/1 step 16/16")
+        job.restart(2)
+        assert job.wait(240) == [0, 0, 0], job.report()
+    assert "epoch 1/1 train_loss" in job.out(0) and load(tmp_path / "ck" / "last.pt")["epoch"] == 1, job.report()
 
 
 # ---------------------------------------------------------------- what goes wrong between hosts

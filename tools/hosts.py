@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 SUBNET = "10.213.7"  # a private /24 that exists only inside the namespaces
+SECOND_SUBNET = "10.213.8"  # the second network card's, when the hosts have two
 
 
 def available():
@@ -35,13 +36,14 @@ def ip(*args):
 
 
 class Hosts:
-    """`count` hosts named host0, host1, ... at SUBNET.1, SUBNET.2, ...; `rate` (e.g. "1gbit") caps each host's
-    sending rate with tc's token bucket; `hosts_files[i]`, if given, replaces host i's /etc/hosts."""
+    """`count` hosts named host0, host1, ... at SUBNET.1, SUBNET.2, ... on eth0, their default route; `rate` (e.g.
+    "1gbit") caps each host's sending rate with tc's token bucket; `hosts_files[i]`, if given, replaces host i's
+    /etc/hosts; `cards=2` adds eth1, at SECOND_SUBNET.1, .2, ..., on a network of its own."""
 
-    def __init__(self, count, rate=None, hosts_files=None):
+    def __init__(self, count, rate=None, hosts_files=None, cards=1):
         self.names = [f"ddp{os.getpid()}h{i}" for i in range(count)]
         self.switch = f"ddp{os.getpid()}sw"
-        self.rate, self.hosts_files = rate, hosts_files or {}
+        self.rate, self.hosts_files, self.cards = rate, hosts_files or {}, cards
 
     def address(self, i):
         return f"{SUBNET}.{i + 1}"
@@ -53,15 +55,21 @@ class Hosts:
     def __enter__(self):
         try:
             ip("netns", "add", self.switch)
-            ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-            ip("-n", self.switch, "link", "set", "br0", "up")
+            for card, subnet in enumerate([SUBNET, SECOND_SUBNET][:self.cards]):
+                ip("-n", self.switch, "link", "add", f"br{card}", "type", "bridge")
+                ip("-n", self.switch, "link", "set", f"br{card}", "up")
             for i, name in enumerate(self.names):
                 ip("netns", "add", name)
                 ip("-n", name, "link", "set", "lo", "up")
-                ip("-n", name, "link", "add", "eth0", "type", "veth", "peer", "name", f"port{i}", "netns", self.switch)
-                ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0", "up")
-                ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-                ip("-n", name, "link", "set", "eth0", "up")
+                for card, subnet in enumerate([SUBNET, SECOND_SUBNET][:self.cards]):
+                    port = f"port{i}c{card}"
+                    ip("-n", name, "link", "add", f"eth{card}", "type", "veth", "peer", "name", port, "netns",
+                       self.switch)
+                    ip("-n", self.switch, "link", "set", port, "master", f"br{card}", "up")
+                    ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", f"eth{card}")
+                    ip("-n", name, "link", "set", f"eth{card}", "up")
+                # As on a real machine; the bridge has no way out, so no packet leaves the namespaces.
+                ip("-n", name, "route", "add", "default", "dev", "eth0")
                 if self.rate:
                     subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                                     "rate", self.rate, "burst", "1mb", "latency", "100ms"], check=True, timeout=30)
