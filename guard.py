@@ -454,7 +454,8 @@ class StopAgreement:
         self.requested = False  # set by the handler, which Python runs in the main thread
         self.stopped = False  # the ranks agreed to stop for a SIGTERM, this rank's or another's
         signal.signal(signal.SIGTERM, self.note)
-        self.flags, self.sent, self.problem = torch.zeros(2, dtype=torch.int32), None, None
+        self.ending = False  # the SIGTERM came to the node that hosts an elastic job's rendezvous
+        self.flags, self.sent, self.problem = torch.zeros(3, dtype=torch.int32), None, None
 
     def note(self, signum, frame):
         self.requested = True
@@ -463,11 +464,13 @@ class StopAgreement:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def send(self, problem=None):
-        """Start this rank's flags on their way: a SIGTERM noted so far, and whether it has a
-        `problem`."""
+        """Start this rank's flags on their way: a SIGTERM noted so far, whether it has a `problem`,
+        and whether its SIGTERM ends an elastic job (launch.sh's RDZV_HOST=1: the job cannot go on
+        without the rendezvous that its node hosts)."""
         self.problem = problem
         self.flags[0].fill_(self.requested)
         self.flags[1].fill_(problem is not None)
+        self.flags[2].fill_(self.requested and os.environ.get("RDZV_HOST") == "1")
         self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed(self):
@@ -477,13 +480,13 @@ class StopAgreement:
             self.send()
         self.sent.wait()
         self.sent = None
-        sigterm, problems = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
+        sigterm, problems, ending = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
         if problems:
             stop_on_problems(gather_utils.all_gather_object(self.problem))
-        self.stopped = bool(sigterm)
+        self.stopped, self.ending = bool(sigterm), bool(ending)
         return self.stopped
 
-    def leave_as_the_elastic_agent_expects(self):
+    def leave_as_the_elastic_agent_expects(self, args):
         """After the group's end. In an elastic job (NNODES=MIN:MAX), a rank that another rank's
         SIGTERM stopped waits up to ELASTIC_WAIT s for its own: torchrun's agent sends it one when
         a node joins, and restarts the group at the larger size. If none comes, a node is leaving
@@ -491,8 +494,15 @@ class StopAgreement:
         without it (one of MAX_RESTARTS). An exit 0 would end the job: the agent takes workers that
         all succeeded for the job's end, closes the rendezvous, and the other agents stop too
         (torch/distributed/elastic/agent/server/api.py, _invoke_run: SUCCEEDED is checked before
-        the nodes waiting to join)."""
+        the nodes waiting to join). If the node that hosts the rendezvous got it, every node exits 0:
+        the job ends, saved."""
         if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
+            return
+        if self.ending:
+            if env_local_rank() == 0:
+                say(f"the node that hosts the rendezvous ({os.environ.get('RDZV_ENDPOINT')}) got a "
+                    f"SIGTERM and left, and the elastic job ends with it; go on with --resume "
+                    f"{last_checkpoint(args)}, and a MASTER_ADDR on a node that stays (not a spot node)")
             return
         deadline = time.monotonic() + ELASTIC_WAIT
         while not self.requested and time.monotonic() < deadline:

@@ -56,7 +56,7 @@ leave() {  # torchrun stopped first: it can start no worker that the SIGTERMs wo
     for pid in $workers; do while running "$pid"; do sleep 0.2; done; done
     exit 143
 }
-stop() { if [[ ${NNODES:-} == *:* ]]; then leave; else forward; fi; }
+stop() { if [[ ${NNODES:-} == *:* && ${RDZV_HOST:-} != 1 ]]; then leave; else forward; fi; }
 trap 'stopping=1; [[ -z $torchrun_pid ]] || stop' TERM
 
 wait_for_rendezvous() {  # address, port, seconds: until node 0's torchrun listens there, or one line and exit 1
@@ -171,7 +171,9 @@ if [[ -n ${NNODES:-} ]]; then
         esac
         # torchrun's c10d rendezvous, hosted by node 0's launcher, which must stay; every round's rank 0 hosts
         # its workers' store (not the first round's, which may be gone).
-        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NNODES
+        # The workers know it too: a SIGTERM on this node ends the job, saved, on every node.
+        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NNODES RDZV_ENDPOINT=$MASTER_ADDR:$port
+        if [[ $is_host == true ]]; then export RDZV_HOST=1; else export RDZV_HOST=0; fi
         restarts=${MAX_RESTARTS:-3}
         conf="join_timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}${is_host:+,is_host=$is_host}"
         rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$port" --rdzv-conf "$conf"

@@ -69,7 +69,7 @@ def main(argv=None):
     with process_group(args, device):  # 3. process group; 8. clean-up when the block ends
         train_or_evaluate(args, device, resume_from, checkpoint, stop)
     if stop is not None:  # an elastic job goes on without a node that left (docs/launching.md)
-        stop.leave_as_the_elastic_agent_expects()
+        stop.leave_as_the_elastic_agent_expects(args)
 
 
 # ------------------------------------------------------------------------------- 1. arguments
@@ -198,9 +198,6 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     log(guard.start_line(args, device, train_set, val_set, steps, new_layers))
     with run.writer:  # its end waits for the last checkpoint write, also on an error
         fit(run, train_set, val_set, args, to_input, stop)
-    # Once more after that write: an elastic job's node that joins now restarts every node, and the
-    # one whose agent saw it first never waits alone for the others (docs/launching.md).
-    stop.agreed()
 
 
 # ------------------------------------------------------------------------------------ 4. data
