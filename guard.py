@@ -27,6 +27,7 @@ import torch.nn as nn
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.optim.swa_utils import update_bn
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
@@ -36,10 +37,14 @@ import gather_utils
 # How long a rank that another's SIGTERM stopped waits for its own (leave_as_the_elastic_agent_
 # expects): torchrun's agent polls its workers and the waiting nodes every 0.1 s (5 s on torch 2.3).
 ELASTIC_WAIT = 10
-# What NCCL writes, when it fails, to the store beneath a torchrun attempt's prefix
-# (ProcessGroupNCCL.hpp: kStoreDumpKey, kStoreErrorSignalKey; torch 2.3 named the first
-# timeout_dump).
-NCCL_SIGNAL_KEYS = ["exception_dump", "remote_error", "timeout_dump"]
+# What the old ProcessGroupNCCL writes when it fails, beneath every prefix of torchrun's store
+# (ProcessGroupNCCL.hpp: kStoreDumpKey; torch 2.3 named it timeout_dump). torch 2.15's
+# ProcessGroupNCCL2 writes none.
+NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
+# The first words of what torch 2.15's ProcessGroupNCCL2 raises at the next collective once a rank
+# is gone: a RuntimeError, not the old class's DistBackendError (nccl2/ProcessGroupNCCLUtils.cpp,
+# checkAndAbortIfTimedOutOrError).
+NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communicator was aborted")
 BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 
@@ -347,10 +352,13 @@ def raise_nccl_timeouts(args):
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-    # The flight recorder: torch 2.11's defaults, which 2.3 lacks.
+    # The flight recorder's dump, beside the checkpoints. From torch 2.11 it records and dumps by
+    # default, and warns of its old variables' names; 2.3 needs all three, under those names.
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
-    settings = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
+    settings = {"TORCH_FR_DUMP_TEMP_FILE": trace}
+    if TorchVersion(torch.__version__) < (2, 11):
+        settings = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
     for name, value in settings.items():
         os.environ.setdefault(name, value)
 
@@ -363,9 +371,9 @@ def check_master_env():
 
 def store_of_this_attempt(store):
     """torchrun's own store outlives a restart (MAX_RESTARTS) with the last attempt's keys: without
-    a prefix per attempt the group hangs. NCCL writes its failure signals to the store beneath the
-    prefix (ProcessGroupNCCL's globalStore_: kStoreDumpKey, kStoreErrorSignalKey): a failed
-    attempt's would make the next one's heartbeat monitor dump and abort it, so they go first.
+    a prefix per attempt the group hangs. The old ProcessGroupNCCL writes its dump signal beneath
+    every prefix (its globalStore_): a failed attempt's would make the next one's heartbeat monitor
+    dump and abort it, so it goes first.
     launch.sh's elastic job gets a new store each round, and a node that joins counts no restarts:
     there, the store as it is."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -406,15 +414,19 @@ def collective_failed(error, args):
     NCCL's error): one line from each rank, naming its flight recorder's dump on NCCL, and exit 1
     at once. Any other error is raised as it is.
 
-    At once: the group is broken, and destroying it can block. After a dump, NCCL's heartbeat
-    monitor sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) before it ends the process, and the
-    group's destructor joins that thread (ProcessGroupNCCL.cpp: HeartbeatMonitor::runLoop,
-    ~ProcessGroupNCCL). Nothing is left to save (the checkpoint writer finished when the error
-    left train_or_evaluate), the watchdog already aborted the communicators, and the driver frees
-    what the process held when it exits."""
-    if "gloo/transport" not in str(error) and not isinstance(error, dist.DistBackendError):
+    At once: the group is broken, and destroying it can block. After a dump, the old
+    ProcessGroupNCCL's heartbeat monitor sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) before it
+    ends the process, and the group's destructor joins that thread (ProcessGroupNCCL.cpp:
+    HeartbeatMonitor::runLoop, ~ProcessGroupNCCL); ProcessGroupNCCL2's shutdown waits for each
+    pending collective to end or time out (WorkNCCLQueue::finalize). Nothing is left to save (the
+    checkpoint writer finished when the error left train_or_evaluate), the watchdog already aborted
+    the communicators, and the driver frees what the process held when it exits."""
+    gone = isinstance(error, dist.DistBackendError) or first_line(error).startswith(NCCL2_FAILURES)
+    if not gone and "gloo/transport" not in str(error):
         raise error
-    trace = Path(os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "") + str(dist.get_rank()))
+    dump = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get(
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
+    trace = Path(dump + str(dist.get_rank()))
     recorded = f"; its last collectives: {trace}"
     if shutil.which("torchfrtrace"):  # torch 2.3 has no such tool
         recorded += f" (every rank's: torchfrtrace {trace.parent})"
@@ -494,15 +506,16 @@ class StopAgreement:
         without it (one of MAX_RESTARTS). An exit 0 would end the job: the agent takes workers that
         all succeeded for the job's end, closes the rendezvous, and the other agents stop too
         (torch/distributed/elastic/agent/server/api.py, _invoke_run: SUCCEEDED is checked before
-        the nodes waiting to join). If the node that hosts the rendezvous got it, every node exits 0:
-        the job ends, saved."""
+        the nodes waiting to join). If the node that hosts the rendezvous got it, every node exits
+        0: the job ends, saved."""
         if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
             return
         if self.ending:
             if env_local_rank() == 0:
                 say(f"the node that hosts the rendezvous ({os.environ.get('RDZV_ENDPOINT')}) got a "
                     f"SIGTERM and left, and the elastic job ends with it; go on with --resume "
-                    f"{last_checkpoint(args)}, and a MASTER_ADDR on a node that stays (not a spot node)")
+                    f"{last_checkpoint(args)}, and a MASTER_ADDR on a node that stays "
+                    "(not a spot node)")
             return
         deadline = time.monotonic() + ELASTIC_WAIT
         while not self.requested and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The older torch releases that clusters and the GPU machine run, each in its own virtual
+# The other torch releases that clusters and the GPU machine run, each in its own virtual
 # environment under $VENVS (default /tmp/ddp-older-torch; reused when present): test_gather.py
 # under torchrun at 2 and 3 ranks, and test_train.py's exit test, twice, because the exit hang it
 # guards against came in about 1 launch of 5 (docs/testing.md). torch 2.3 has wheels for Python 3.8
@@ -35,8 +35,11 @@ check_release() {  # torch version
 if [[ ${1:-all} != check ]]; then
     install_release 2.3.1 torchvision==0.18.1 "numpy<2"  # torch 2.3 was built against numpy 1
     install_release 2.11.0 torchvision==0.26.0           # the GPU machine's release
+    # The newest, with its new NCCL backend: above the cap of pip's global constraints file here.
+    PIP_CONSTRAINT=/dev/null install_release 2.15.0 torchvision==0.29.2
 fi
 if [[ ${1:-all} != install ]]; then
     check_release 2.3.1
     check_release 2.11.0
+    check_release 2.15.0
 fi

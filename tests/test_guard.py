@@ -137,3 +137,30 @@ def test_start_momentum_at_zero_keeps_fused_sgd_right_after_a_skipped_step():
     for key in plain:
         torch.testing.assert_close(fused[key], plain[key], msg=key)
 
+
+
+COLLECTIVE_FAILED = """
+import sys, types
+import torch.distributed as dist
+import guard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+guard.collective_failed(RuntimeError(sys.argv[1]), types.SimpleNamespace(collective_timeout=600))
+"""
+
+
+@pytest.mark.parametrize("text", [f"{words}\nException raised from checkAndAbortIfTimedOutOrError"
+                                  for words in guard.NCCL2_FAILURES])
+def test_collective_failed_takes_nccl2s_runtime_error_for_a_rank_gone(text):
+    # torch 2.15's ProcessGroupNCCL2 raises a RuntimeError at the collective after a timeout, not the old class's
+    # DistBackendError: still one line from the rank, and exit 1, not a traceback.
+    result = run([sys.executable, "-c", COLLECTIVE_FAILED, text], env=clean_env(), cwd=ROOT, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "train_ddp.py: error: rank 0: a collective failed: another rank stopped, or stopped answering for "
+        f"--collective-timeout 600 s; look for its own error ({text.splitlines()[0]})"]
+
+
+def test_collective_failed_raises_any_other_error_as_it_is():
+    result = run([sys.executable, "-c", COLLECTIVE_FAILED, "CUDA out of memory"], env=clean_env(), cwd=ROOT,
+                 timeout=60)
+    assert result.returncode == 1 and result.stderr.splitlines()[-1].endswith("RuntimeError: CUDA out of memory")
