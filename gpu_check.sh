@@ -209,7 +209,7 @@ verify() {
     local name=$1
     passed "$name" || return 0
     if timeout 60 $py - "$work" "$logs" "$2" >>"$logs/$name.log" 2>&1 <<'EOF'
-import json, math, sys
+import json, math, os, sys
 work, logs, check = sys.argv[1:]
 m = lambda path: [json.loads(line) for line in open(f"{work}/{path}")]
 # torch only where a check reads a checkpoint: its import costs seconds, which the deadline counts.
@@ -327,15 +327,16 @@ print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait
 # waits for it. Expected, with train_ddp.py's settings: torch's watchdog logs the timed-out all-reduce, its flight
 # recorder writes the rank's last collectives, it aborts NCCL (after 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 60 s by
 # default, 4 here), and the next collective raises: process_group() ends the run with its one line, naming the
-# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang.
+# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang. The file goes to the
+# folder the script is given, where the check looks for it.
 cat >"$work/nccl_timeout.py" <<'EOF'
-import argparse, os, time, torch, torch.distributed as dist, train_ddp
+import argparse, sys, time, torch, torch.distributed as dist, train_ddp
 def cycles_per_second():  # torch.cuda.clock_rate() needs pynvml, which torch does not install
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(); torch.cuda._sleep(10**8); end.record(); end.synchronize()
     return 10**8 / (start.elapsed_time(end) / 1000)
 args = argparse.Namespace(backend="nccl", init_timeout=60, collective_timeout=5, local_rank=0,
-                          checkpoint_dir=os.path.dirname(__file__))
+                          checkpoint_dir=sys.argv[1])
 device = train_ddp.setup_device(args)
 began = time.monotonic()
 with train_ddp.process_group(args, device):
@@ -347,12 +348,24 @@ with train_ddp.process_group(args, device):
 print("process_group() returned: no error", flush=True)
 EOF
 exits_1='"$@"; code=$?; echo "gpu_check.sh: exit code $code"; ((code == 1))'
-needs_gpu nccl_timeout ||
-    step nccl_timeout 90 env TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000 bash -c "$exits_1" _ "${torchrun[@]}" \
-        --nproc-per-node 1 "$work/nccl_timeout.py"
-verify nccl_timeout "line = next(l for l in log('nccl_timeout').splitlines() if 'error: rank 0: a collective' in l)
-assert 'nccl_trace_rank_0 (every rank' in line, 'no flight recorder file'
-print('NOTE', line[line.index('a collective'):][:150])"
+# Without torchfrtrace on PATH the line names the rank's file alone, as on every torch (2.3 has no such tool; where
+# torch has it, the line adds a hint to it): the folders that hold it are left out of the step's PATH, and torchrun
+# runs as python's own path, since a pyenv shim would put such a folder back.
+IFS=: read -ra path_dirs <<<"$PATH"
+no_frtrace=$(for dir in "${path_dirs[@]}"; do [[ -x $dir/torchfrtrace ]] || printf '%s:' "$dir"; done)
+timed_out=(env PATH="${no_frtrace%:}" TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000 "$BASH" -c "$exits_1" _
+           "$(timeout 60 $py -c 'import sys; print(sys.executable)')" -m torch.distributed.run --standalone
+           --nproc-per-node 1 "$work/nccl_timeout.py")
+timed_out_verified() {  # name: the one line names the recorder's file, which is there, in the step's folder
+    verify "$1" "line = next(l for l in log('$1').splitlines() if 'error: rank 0: a collective' in l)
+trace = line.rpartition('; its last collectives: ')[2]
+assert trace != line and 'torchfrtrace' not in line, 'not one trace file named: ' + line
+assert os.path.realpath(os.path.dirname(trace)) == os.path.realpath(f'{work}/$1'), trace
+assert os.path.basename(trace) == 'nccl_trace_rank_0' and os.path.getsize(trace) > 0, trace
+print('NOTE', f'trace of {os.path.getsize(trace)} bytes; ' + line[line.index('look for'):][:120])"
+}
+needs_gpu nccl_timeout || step nccl_timeout 90 "${timed_out[@]}" "$work/nccl_timeout"
+timed_out_verified nccl_timeout
 
 # train_ddp.py on NCCL, ResNet-18 at 64 px under check_syncs.py. First fp16, the seed's two speed tips together:
 # autocast with the GradScaler, whose first steps overflow by design (the fused SGD must skip them without leaving
