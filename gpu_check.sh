@@ -4,9 +4,9 @@
 # NCCL, over train_ddp.py's group of gloo and NCCL, and over gloo with CUDA tensors; the headline figure,
 # train_ddp.py's ResNet-50 at 224 px in bf16 (batch 256, synthetic data), under check_syncs.py (no host-device sync
 # between log lines); what a collective past --collective-timeout shows on NCCL; train_ddp.py on NCCL: fp16 with the
-# fp16 hook and fp32 under check_syncs.py, a resume; two ranks sharing the GPU over gloo (SyncBN statistics and DDP
-# replicas against one process); SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py);
-# --compile.
+# fp16 hook (after a first step made to overflow) and fp32 under check_syncs.py, a resume; two ranks sharing the GPU
+# over gloo (SyncBN statistics and DDP replicas against one process); SIGTERM mid-epoch; ResNet-50 speed at 224 px
+# with and without DDP (bench_train.py); --compile.
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds from its start (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
@@ -33,14 +33,14 @@ cd "$(dirname "$0")"
 # The plan: each step and its estimated seconds on an H200 (none has run this yet; python, torch and NCCL start in
 # 10 to 15 s of each). Most valuable first, so that a deadline that comes early cuts the least; --compile, last,
 # costs the most for what it adds. With the probes before the first step and the checks after each (one import of
-# torch for each checkpoint they read), 408 s, inside 420; the deadline leaves 132 s more for estimates that are low.
+# torch for each checkpoint they read), 412 s, inside 420; the deadline leaves 128 s more for estimates that are low.
 # Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from --weights, the
 # rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16 and channels-last at 64 px beside
 # the headline's, and JPEG photographs (at a size that fits, their batches are fewer than the workers prefetch: a
 # measure of the workers' start, not of the input pipeline).
-plan=(gather_nccl 35 gather_mixed_group 20 gather_gloo_cuda 40 headline 40 nccl_timeout 30 train_fp16_hook_fp16 18
+plan=(gather_nccl 35 gather_mixed_group 20 gather_gloo_cuda 40 headline 40 nccl_timeout 30 train_fp16_hook_fp16 24
       train_fp32 20 resume 15 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40 compile 90)
-probes_and_checks=15
+probes_and_checks=13
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
 planned() {  # name: its estimated seconds, if the plan has that step
@@ -200,6 +200,11 @@ needs_gpu() {  # name: in a rehearsal, listed as skipped instead of run
         echo "== $1: skipped, needs a GPU"
         record "$1" skipped 0 "needs a GPU"
     fi
+}
+
+first() {  # command...: a `bash -c` script that runs it, then, if it passed, the script's arguments
+    printf '%q ' "$@"
+    echo '&& exec "$@"'
 }
 
 # verify NAME PYTHON: assertions on the files of the step NAME, if it passed; m(path) reads a metrics file, ck(path)
@@ -368,16 +373,64 @@ needs_gpu nccl_timeout || step nccl_timeout 90 "${timed_out[@]}" "$work/nccl_tim
 timed_out_verified nccl_timeout
 
 # train_ddp.py on NCCL, ResNet-18 at 64 px under check_syncs.py. First fp16, the seed's two speed tips together:
-# autocast with the GradScaler, whose first steps overflow by design (the fused SGD must skip them without leaving
-# garbage momentum), and gradients compressed to fp16 by the hook. Then fp32, and a resume from its CUDA checkpoint
-# (the optimizer this run configures, with the state's values).
-step train_fp16_hook_fp16 90 "${checked[@]}" "${fp16[@]}" --amp fp16 --comm-hook fp16 --checkpoint-dir "$work/fp16" \
+# autocast with the GradScaler, and gradients compressed to fp16 by the hook. Its first steps may overflow or not, so
+# a few steps of train_ddp.py's own model, optimizer (fused SGD on CUDA) and GradScaler come first, the first one's
+# loss made inf: the GradScaler skips it, the momentum stays zero (fused SGD would leave garbage without
+# build_optimizer's zeros), and the first step taken gives the momentum and weights of plain SGD.
+cat >"$work/fp16_first_step.py" <<'EOF'
+import sys, torch, torch.nn.functional as F, train_ddp
+args = train_ddp.parse_args(["--arch", "resnet18", "--image-size", "32", "--amp", "fp16", "--channels-last",
+                             "--checkpoint-dir", sys.argv[1]])
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+model = train_ddp.build_model(args, None)[0].to(device, memory_format=train_ddp.memory_format(args))
+optimizer, scaler = train_ddp.build_optimizer(model, args)
+(group,) = optimizer.param_groups
+assert group["fused"] == (device.type == "cuda"), group["fused"]
+images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+images, labels = images.to(device, memory_format=torch.channels_last), torch.arange(8, device=device) % 10
+def step(loss_factor):  # as train_one_epoch steps: whether skipped, and the weights and gradients it started from
+    with train_ddp.amp_context(args, device):
+        loss = F.cross_entropy(model(images), labels)
+    scaler.scale(loss * loss_factor).backward()
+    scale = scaler.get_scale()
+    start = [(p.detach().clone(), p.grad / scale) for p in group["params"]]
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return scaler.get_scale() < scale, start
+def momentum_is_zero():
+    for p in group["params"]:
+        buffer = optimizer.state[p].get("momentum_buffer")
+        assert buffer is not None and buffer.stride() == p.stride() and not buffer.any(), "momentum not zero"
+assert step(float("inf"))[0], "a step with an inf loss was taken"
+momentum_is_zero()
+for skipped_after in range(10):  # the GradScaler's first scale may overflow fp16 too
+    skipped, start = step(1)
+    if not skipped:
+        break
+    momentum_is_zero()
+assert not skipped, "10 steps skipped after the first"
+plain_weights = [weight.requires_grad_() for weight, _ in start]
+for weight, (_, grad) in zip(plain_weights, start):
+    weight.grad = grad
+plain = torch.optim.SGD(plain_weights, lr=group["lr"], momentum=group["momentum"],
+                        weight_decay=group["weight_decay"], foreach=False)
+plain.step()
+for p, weight in zip(group["params"], plain_weights):
+    torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], plain.state[weight]["momentum_buffer"])
+    torch.testing.assert_close(p.detach(), weight.detach())
+print(f"NOTE {'fused' if group['fused'] else 'unfused'} SGD: an inf first step skipped, momentum 0 after it; "
+      f"{skipped_after} more skipped; the next as plain SGD", flush=True)
+EOF
+step train_fp16_hook_fp16 90 bash -c "$(first "$py" "$work/fp16_first_step.py" "$work/fp16_first_step")" _ \
+    "${checked[@]}" "${fp16[@]}" --amp fp16 --comm-hook fp16 --checkpoint-dir "$work/fp16" \
     --metrics-file "$work/train_fp16_hook_fp16.jsonl"
 learned train_fp16_hook_fp16 checked
-verify train_fp16_hook_fp16 "s = ck('fp16/last.pt')['scaler']; assert 0 < s['scale'] <= 2**16, s"
 step train_fp32 90 "${checked[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/train_fp32.jsonl"
 learned train_fp32 checked
 verify train_fp32 "assert '$on' in log('train_fp32')"
+
+# A resume from fp32's CUDA checkpoint: the optimizer this run configures, with the state's values.
 step resume 90 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
     --metrics-file "$work/train_fp32.jsonl"
 verify resume "val_samples = $val; assert 'at epoch 3 step 0' in log('resume'); learned('train_fp32.jsonl', 3)
