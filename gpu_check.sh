@@ -4,9 +4,9 @@
 # NCCL, over train_ddp.py's group of gloo and NCCL, and over gloo with CUDA tensors; the headline figure,
 # train_ddp.py's ResNet-50 at 224 px in bf16 (batch 256, synthetic data), under check_syncs.py (no host-device sync
 # between log lines); what a collective past --collective-timeout shows on NCCL; train_ddp.py on NCCL: fp16 with the
-# fp16 hook (after a first step made to overflow) and fp32 under check_syncs.py, a resume; two ranks sharing the GPU
-# over gloo (SyncBN statistics and DDP replicas against one process); SIGTERM mid-epoch; ResNet-50 speed at 224 px
-# with and without DDP (bench_train.py); --compile.
+# fp16 hook (after a first step made to overflow) and fp32 under check_syncs.py, a CPU checkpoint resumed on the GPU
+# with --channels-last; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against one process);
+# SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py); --compile.
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds from its start (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
@@ -33,13 +33,13 @@ cd "$(dirname "$0")"
 # The plan: each step and its estimated seconds on an H200 (none has run this yet; python, torch and NCCL start in
 # 10 to 15 s of each). Most valuable first, so that a deadline that comes early cuts the least; --compile, last,
 # costs the most for what it adds. With the probes before the first step and the checks after each (one import of
-# torch for each checkpoint they read), 412 s, inside 420; the deadline leaves 128 s more for estimates that are low.
+# torch for each checkpoint they read), 419 s, inside 420; the deadline leaves 121 s more for estimates that are low.
 # Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from --weights, the
 # rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16 and channels-last at 64 px beside
 # the headline's, and JPEG photographs (at a size that fits, their batches are fewer than the workers prefetch: a
 # measure of the workers' start, not of the input pipeline).
 plan=(gather_nccl 35 gather_mixed_group 20 gather_gloo_cuda 40 headline 40 nccl_timeout 30 train_fp16_hook_fp16 24
-      train_fp32 20 resume 15 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40 compile 90)
+      train_fp32 20 resume 22 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40 compile 90)
 probes_and_checks=13
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
@@ -430,11 +430,24 @@ step train_fp32 90 "${checked[@]}" --checkpoint-dir "$work/fp32" --metrics-file 
 learned train_fp32 checked
 verify train_fp32 "assert '$on' in log('train_fp32')"
 
-# A resume from fp32's CUDA checkpoint: the optimizer this run configures, with the state's values.
-step resume 90 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
-    --metrics-file "$work/train_fp32.jsonl"
-verify resume "val_samples = $val; assert 'at epoch 3 step 0' in log('resume'); learned('train_fp32.jsonl', 3)
-assert ck('fp32/last.pt')['epoch'] == 3"
+# A resume across devices and memory formats: 1 epoch on the CPU (no CUDA visible: gloo, unfused SGD, contiguous
+# momentum), resumed on the GPU with --channels-last, where the fused CUDA kernel refuses momentum in a layout other
+# than its parameter's. It trains the second epoch, and saves channels-last momentum for every parameter.
+cpu_epoch=(env CUDA_VISIBLE_DEVICES= "$py" train_ddp.py "${small[@]}" --train-samples 256 --val-samples 64 --epochs 1
+           --checkpoint-dir "$work/resume" --metrics-file "$work/resume.jsonl")
+step resume 90 bash -c "$(first "${cpu_epoch[@]}")" _ "${train[@]}" --channels-last --resume "$work/resume/last.pt" \
+    --checkpoint-dir "$work/resume" --metrics-file "$work/resume.jsonl"
+verify resume "val_samples = $val; torch = __import__('torch'); text = log('resume')
+assert 'on 1 x cpu (gloo)' in text and '$on' in text and 'at epoch 2 step 0' in text, 'no CPU checkpoint resumed'
+records = m('resume.jsonl')
+assert [r['epoch'] for r in records] == [1, 2] and all(math.isfinite(r['train_loss']) for r in records), records
+assert records[-1]['val_samples'] == val_samples, records
+c = ck('resume/last.pt'); (group,) = c['optimizer']['param_groups']
+assert (c['epoch'], c['step'], group['fused']) == (2, 0, '$on' != '1 x cpu (gloo)'), (c['epoch'], c['step'], group)
+buffers = [state['momentum_buffer'] for state in c['optimizer']['state'].values()]
+assert len(buffers) == len(group['params']) and all(b.isfinite().all() for b in buffers), 'momentum missing or inf'
+assert all(b.is_contiguous(memory_format=torch.channels_last) for b in buffers if b.dim() == 4), 'not channels-last'
+print('NOTE', f\"a CPU checkpoint resumed on $on, channels-last: epoch 2 train_loss {records[-1]['train_loss']:.3f}\")"
 
 # Two ranks on the one device over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of 8 images
 # each must give the weights and batch-norm statistics of one process stepping on all 16 with plain batch norm,
