@@ -6,7 +6,8 @@
 # between log lines); what a collective past --collective-timeout shows on NCCL; train_ddp.py on NCCL: fp16 with the
 # fp16 hook (after a first step made to overflow) and fp32 under check_syncs.py, a CPU checkpoint resumed on the GPU
 # with --channels-last; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against one process);
-# SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py); --compile.
+# SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py); on torch 2.15 or later, the
+# NCCL steps again on the old ProcessGroupNCCL; --compile.
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds from its start (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
@@ -17,7 +18,9 @@
 # Every step runs whatever failed before it, under a time limit of its own, and asserts its result. Past its limit a
 # step's processes get SIGABRT (PYTHONFAULTHANDLER=1: every thread's stack goes to its log), then SIGKILL. A step
 # starts only if the deadline leaves it 20 s; the rest are listed as skipped, and the check is then incomplete (so
-# is a step that the deadline, not its own limit, cut short). Without a GPU and without --rehearse it refuses at once.
+# is a step that the deadline, not its own limit, cut short); a step this torch has nothing for is listed as not
+# applicable, which is no failure and leaves the check complete. Without a GPU and without --rehearse it refuses at
+# once.
 # A TERM or INT, also to its whole process group (timeout, ^C), ends the step in flight and removes the work folder. Out
 # ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step, each step's seconds
 # beside its estimate; logs/NAME.log, written as each step runs and packed into step_logs.tar.gz at the end (also on
@@ -33,13 +36,19 @@ cd "$(dirname "$0")"
 # The plan: each step and its estimated seconds on an H200 (none has run this yet; python, torch and NCCL start in
 # 10 to 15 s of each). Most valuable first, so that a deadline that comes early cuts the least; --compile, last,
 # costs the most for what it adds. With the probes before the first step and the checks after each (one import of
-# torch for each checkpoint they read), 419 s, inside 420; the deadline leaves 121 s more for estimates that are low.
+# torch for each checkpoint they read), 419 s on the GPU machine's torch 2.11, inside 420; the deadline leaves 121 s
+# more for estimates that are low. torch 2.15 made its `nccl` backend ProcessGroupNCCL2 and kept the old
+# ProcessGroupNCCL behind TORCH_DIST_USE_NCCL2=0: there the steps of from_torch_2_15 run the NCCL steps again on the
+# old one, 85 s more (504 s, inside the deadline; after them only --compile, the first that a deadline would cut).
+# Before 2.15 they are listed as not applicable, and cost nothing.
 # Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from --weights, the
 # rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16 and channels-last at 64 px beside
 # the headline's, and JPEG photographs (at a size that fits, their batches are fewer than the workers prefetch: a
 # measure of the workers' start, not of the input pipeline).
 plan=(gather_nccl 35 gather_mixed_group 20 gather_gloo_cuda 40 headline 40 nccl_timeout 30 train_fp16_hook_fp16 24
-      train_fp32 20 resume 22 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40 compile 90)
+      train_fp32 20 resume 22 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40
+      gather_nccl_legacy 35 gather_mixed_group_legacy 20 nccl_timeout_legacy 30 compile 90)
+from_torch_2_15=(gather_nccl_legacy gather_mixed_group_legacy nccl_timeout_legacy)
 probes_and_checks=13
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
@@ -126,7 +135,7 @@ verdict() {  # failed: the steps that failed, timed out or were stopped; incompl
     failed=0 incomplete=0
     for i in "${!names[@]}"; do
         case ${results[$i]} in
-            pass) ;;
+            pass | "not applicable") ;;
             skipped) [[ ${notes[$i]} != deadline ]] || incomplete=$((incomplete + 1)) ;;
             *) failed=$((failed + 1)) ;;
         esac
@@ -199,6 +208,14 @@ needs_gpu() {  # name: in a rehearsal, listed as skipped instead of run
     if wanted "$1"; then
         echo "== $1: skipped, needs a GPU"
         record "$1" skipped 0 "needs a GPU"
+    fi
+}
+
+one_nccl() {  # name: a step of from_torch_2_15, listed as not applicable instead of run where torch has one NCCL
+    ((two_nccls)) && return 1
+    if wanted "$1"; then
+        echo "== $1: not applicable, torch ${torch_version:-?} has one NCCL backend"
+        record "$1" "not applicable" 0 "torch ${torch_version:-?} has one NCCL backend"
     fi
 }
 
@@ -302,16 +319,28 @@ assert '${2:-}' != 'checked' or 'rank 0: 0 host waits between log lines' in log(
 }
 
 date -u
-total=$probes_and_checks
-for ((i = 1; i < ${#plan[@]}; i += 2)); do total=$((total + plan[i])); done
-echo "gpu_check.sh: $((${#plan[@]} / 2)) steps, estimated $total s in all on an H200; deadline ${DEADLINE:-540} s"
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 60 $py -c 'import sys, torch, torchvision
+versions=$(timeout 60 $py -c 'import sys, torch, torchvision
 cuda = torch.cuda.is_available()
 print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__,
       "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
-      "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))'
+      "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))')
+echo "$versions"
 timeout 10 df -h /dev/shm
+torch_version_re='torch ([0-9]+)\.([0-9]+)'
+two_nccls=0 torch_version=
+if [[ $versions =~ $torch_version_re ]]; then
+    torch_version=${BASH_REMATCH[1]}.${BASH_REMATCH[2]}
+    ((BASH_REMATCH[1] * 100 + BASH_REMATCH[2] >= 215)) && two_nccls=1
+fi
+total=$probes_and_checks steps=0
+for ((i = 0; i < ${#plan[@]}; i += 2)); do
+    if ((two_nccls)) || [[ " ${from_torch_2_15[*]} " != *" ${plan[i]} "* ]]; then
+        total=$((total + plan[i + 1])) steps=$((steps + 1))
+    fi
+done
+echo "gpu_check.sh: $steps steps for torch ${torch_version:-?}, estimated $total s in all on an H200;" \
+    "deadline ${DEADLINE:-540} s"
 
 needs_gpu gather_nccl ||
     step gather_nccl 150 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend nccl
@@ -501,6 +530,17 @@ verify speed_bf16_channels_last "rows = [r.split('|') for r in log('speed_bf16_c
         if r.startswith('| this machine |')]
 assert len(rows) == 2, rows
 print('NOTE', ', '.join(f'{r[3].strip()} {r[4].split()[0]} img/s' for r in rows))"
+
+# torch 2.15 and later: the NCCL steps again on the old ProcessGroupNCCL, which TORCH_DIST_USE_NCCL2=0 selects.
+one_nccl gather_nccl_legacy || needs_gpu gather_nccl_legacy ||
+    step gather_nccl_legacy 150 env TORCH_DIST_USE_NCCL2=0 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
+        --backend nccl
+one_nccl gather_mixed_group_legacy || needs_gpu gather_mixed_group_legacy ||
+    step gather_mixed_group_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
+        --backend cpu:gloo,cuda:nccl
+one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
+    step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
+timed_out_verified nccl_timeout_legacy
 
 step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
 learned compile
