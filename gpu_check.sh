@@ -4,9 +4,10 @@
 # NCCL, over train_ddp.py's group of gloo and NCCL, and over gloo with CUDA tensors; the headline figure,
 # train_ddp.py's ResNet-50 at 224 px in bf16 (batch 256, synthetic data), under check_syncs.py (no host-device sync
 # between log lines); what a collective past --collective-timeout shows on NCCL; train_ddp.py on NCCL: fp16 with the
-# fp16 hook and fp32 under check_syncs.py, a resume; two ranks sharing the GPU over gloo (SyncBN statistics and DDP
-# replicas against one process); SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py);
-# --compile.
+# fp16 hook (after a first step made to overflow) and fp32 under check_syncs.py, a CPU checkpoint resumed on the GPU
+# with --channels-last; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against one process);
+# SIGTERM mid-epoch; ResNet-50 speed at 224 px with and without DDP (bench_train.py); on torch 2.15 or later, the
+# NCCL steps again on the old ProcessGroupNCCL; --compile.
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds from its start (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
@@ -17,7 +18,9 @@
 # Every step runs whatever failed before it, under a time limit of its own, and asserts its result. Past its limit a
 # step's processes get SIGABRT (PYTHONFAULTHANDLER=1: every thread's stack goes to its log), then SIGKILL. A step
 # starts only if the deadline leaves it 20 s; the rest are listed as skipped, and the check is then incomplete (so
-# is a step that the deadline, not its own limit, cut short). Without a GPU and without --rehearse it refuses at once.
+# is a step that the deadline, not its own limit, cut short); a step this torch has nothing for is listed as not
+# applicable, which is no failure and leaves the check complete. Without a GPU and without --rehearse it refuses at
+# once.
 # A TERM or INT, also to its whole process group (timeout, ^C), ends the step in flight and removes the work folder. Out
 # ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step, each step's seconds
 # beside its estimate; logs/NAME.log, written as each step runs and packed into step_logs.tar.gz at the end (also on
@@ -33,14 +36,20 @@ cd "$(dirname "$0")"
 # The plan: each step and its estimated seconds on an H200 (none has run this yet; python, torch and NCCL start in
 # 10 to 15 s of each). Most valuable first, so that a deadline that comes early cuts the least; --compile, last,
 # costs the most for what it adds. With the probes before the first step and the checks after each (one import of
-# torch for each checkpoint they read), 408 s, inside 420; the deadline leaves 132 s more for estimates that are low.
+# torch for each checkpoint they read), 419 s on the GPU machine's torch 2.11, inside 420; the deadline leaves 121 s
+# more for estimates that are low. torch 2.15 made its `nccl` backend ProcessGroupNCCL2 and kept the old
+# ProcessGroupNCCL behind TORCH_DIST_USE_NCCL2=0: there the steps of from_torch_2_15 run the NCCL steps again on the
+# old one, 85 s more (504 s, inside the deadline; after them only --compile, the first that a deadline would cut).
+# Before 2.15 they are listed as not applicable, and cost nothing.
 # Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from --weights, the
 # rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16 and channels-last at 64 px beside
 # the headline's, and JPEG photographs (at a size that fits, their batches are fewer than the workers prefetch: a
 # measure of the workers' start, not of the input pipeline).
-plan=(gather_nccl 35 gather_mixed_group 20 gather_gloo_cuda 40 headline 40 nccl_timeout 30 train_fp16_hook_fp16 18
-      train_fp32 20 resume 15 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40 compile 90)
-probes_and_checks=15
+plan=(gather_nccl 35 gather_mixed_group 20 gather_gloo_cuda 40 headline 40 nccl_timeout 30 train_fp16_hook_fp16 24
+      train_fp32 20 resume 22 shared_device_sync_bn_and_replicas 25 sigterm 20 speed_bf16_channels_last 40
+      gather_nccl_legacy 35 gather_mixed_group_legacy 20 nccl_timeout_legacy 30 compile 90)
+from_torch_2_15=(gather_nccl_legacy gather_mixed_group_legacy nccl_timeout_legacy)
+probes_and_checks=13
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
 planned() {  # name: its estimated seconds, if the plan has that step
@@ -126,7 +135,7 @@ verdict() {  # failed: the steps that failed, timed out or were stopped; incompl
     failed=0 incomplete=0
     for i in "${!names[@]}"; do
         case ${results[$i]} in
-            pass) ;;
+            pass | "not applicable") ;;
             skipped) [[ ${notes[$i]} != deadline ]] || incomplete=$((incomplete + 1)) ;;
             *) failed=$((failed + 1)) ;;
         esac
@@ -202,6 +211,19 @@ needs_gpu() {  # name: in a rehearsal, listed as skipped instead of run
     fi
 }
 
+one_nccl() {  # name: a step of from_torch_2_15, listed as not applicable instead of run where torch has one NCCL
+    ((two_nccls)) && return 1
+    if wanted "$1"; then
+        echo "== $1: not applicable, torch ${torch_version:-?} has one NCCL backend"
+        record "$1" "not applicable" 0 "torch ${torch_version:-?} has one NCCL backend"
+    fi
+}
+
+first() {  # command...: a `bash -c` script that runs it, then, if it passed, the script's arguments
+    printf '%q ' "$@"
+    echo '&& exec "$@"'
+}
+
 # verify NAME PYTHON: assertions on the files of the step NAME, if it passed; m(path) reads a metrics file, ck(path)
 # a checkpoint, log(name) a step's output. A failed assertion turns the step's result to FAIL. A line `NOTE text`
 # that it prints becomes the step's note.
@@ -209,7 +231,7 @@ verify() {
     local name=$1
     passed "$name" || return 0
     if timeout 60 $py - "$work" "$logs" "$2" >>"$logs/$name.log" 2>&1 <<'EOF'
-import json, math, sys
+import json, math, os, sys
 work, logs, check = sys.argv[1:]
 m = lambda path: [json.loads(line) for line in open(f"{work}/{path}")]
 # torch only where a check reads a checkpoint: its import costs seconds, which the deadline counts.
@@ -297,16 +319,28 @@ assert '${2:-}' != 'checked' or 'rank 0: 0 host waits between log lines' in log(
 }
 
 date -u
-total=$probes_and_checks
-for ((i = 1; i < ${#plan[@]}; i += 2)); do total=$((total + plan[i])); done
-echo "gpu_check.sh: $((${#plan[@]} / 2)) steps, estimated $total s in all on an H200; deadline ${DEADLINE:-540} s"
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 60 $py -c 'import sys, torch, torchvision
+versions=$(timeout 60 $py -c 'import sys, torch, torchvision
 cuda = torch.cuda.is_available()
 print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__,
       "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
-      "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))'
+      "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))')
+echo "$versions"
 timeout 10 df -h /dev/shm
+torch_version_re='torch ([0-9]+)\.([0-9]+)'
+two_nccls=0 torch_version=
+if [[ $versions =~ $torch_version_re ]]; then
+    torch_version=${BASH_REMATCH[1]}.${BASH_REMATCH[2]}
+    ((BASH_REMATCH[1] * 100 + BASH_REMATCH[2] >= 215)) && two_nccls=1
+fi
+total=$probes_and_checks steps=0
+for ((i = 0; i < ${#plan[@]}; i += 2)); do
+    if ((two_nccls)) || [[ " ${from_torch_2_15[*]} " != *" ${plan[i]} "* ]]; then
+        total=$((total + plan[i + 1])) steps=$((steps + 1))
+    fi
+done
+echo "gpu_check.sh: $steps steps for torch ${torch_version:-?}, estimated $total s in all on an H200;" \
+    "deadline ${DEADLINE:-540} s"
 
 needs_gpu gather_nccl ||
     step gather_nccl 150 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend nccl
@@ -327,15 +361,16 @@ print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait
 # waits for it. Expected, with train_ddp.py's settings: torch's watchdog logs the timed-out all-reduce, its flight
 # recorder writes the rank's last collectives, it aborts NCCL (after 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 60 s by
 # default, 4 here), and the next collective raises: process_group() ends the run with its one line, naming the
-# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang.
+# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang. The file goes to the
+# folder the script is given, where the check looks for it.
 cat >"$work/nccl_timeout.py" <<'EOF'
-import argparse, os, time, torch, torch.distributed as dist, train_ddp
+import argparse, sys, time, torch, torch.distributed as dist, train_ddp
 def cycles_per_second():  # torch.cuda.clock_rate() needs pynvml, which torch does not install
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(); torch.cuda._sleep(10**8); end.record(); end.synchronize()
     return 10**8 / (start.elapsed_time(end) / 1000)
 args = argparse.Namespace(backend="nccl", init_timeout=60, collective_timeout=5, local_rank=0,
-                          checkpoint_dir=os.path.dirname(__file__))
+                          checkpoint_dir=sys.argv[1])
 device = train_ddp.setup_device(args)
 began = time.monotonic()
 with train_ddp.process_group(args, device):
@@ -347,28 +382,101 @@ with train_ddp.process_group(args, device):
 print("process_group() returned: no error", flush=True)
 EOF
 exits_1='"$@"; code=$?; echo "gpu_check.sh: exit code $code"; ((code == 1))'
-needs_gpu nccl_timeout ||
-    step nccl_timeout 90 env TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000 bash -c "$exits_1" _ "${torchrun[@]}" \
-        --nproc-per-node 1 "$work/nccl_timeout.py"
-verify nccl_timeout "line = next(l for l in log('nccl_timeout').splitlines() if 'error: rank 0: a collective' in l)
-assert 'nccl_trace_rank_0 (every rank' in line, 'no flight recorder file'
-print('NOTE', line[line.index('a collective'):][:150])"
+# Without torchfrtrace on PATH the line names the rank's file alone, as on every torch (2.3 has no such tool; where
+# torch has it, the line adds a hint to it): the folders that hold it are left out of the step's PATH, and torchrun
+# runs as python's own path, since a pyenv shim would put such a folder back.
+IFS=: read -ra path_dirs <<<"$PATH"
+no_frtrace=$(for dir in "${path_dirs[@]}"; do [[ -x $dir/torchfrtrace ]] || printf '%s:' "$dir"; done)
+timed_out=(env PATH="${no_frtrace%:}" TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000 "$BASH" -c "$exits_1" _
+           "$(timeout 60 $py -c 'import sys; print(sys.executable)')" -m torch.distributed.run --standalone
+           --nproc-per-node 1 "$work/nccl_timeout.py")
+timed_out_verified() {  # name: the one line names the recorder's file, which is there, in the step's folder
+    verify "$1" "line = next(l for l in log('$1').splitlines() if 'error: rank 0: a collective' in l)
+trace = line.rpartition('; its last collectives: ')[2]
+assert trace != line and 'torchfrtrace' not in line, 'not one trace file named: ' + line
+assert os.path.realpath(os.path.dirname(trace)) == os.path.realpath(f'{work}/$1'), trace
+assert os.path.basename(trace) == 'nccl_trace_rank_0' and os.path.getsize(trace) > 0, trace
+print('NOTE', f'trace of {os.path.getsize(trace)} bytes; ' + line[line.index('look for'):][:120])"
+}
+needs_gpu nccl_timeout || step nccl_timeout 90 "${timed_out[@]}" "$work/nccl_timeout"
+timed_out_verified nccl_timeout
 
 # train_ddp.py on NCCL, ResNet-18 at 64 px under check_syncs.py. First fp16, the seed's two speed tips together:
-# autocast with the GradScaler, whose first steps overflow by design (the fused SGD must skip them without leaving
-# garbage momentum), and gradients compressed to fp16 by the hook. Then fp32, and a resume from its CUDA checkpoint
-# (the optimizer this run configures, with the state's values).
-step train_fp16_hook_fp16 90 "${checked[@]}" "${fp16[@]}" --amp fp16 --comm-hook fp16 --checkpoint-dir "$work/fp16" \
+# autocast with the GradScaler, and gradients compressed to fp16 by the hook. Its first steps may overflow or not, so
+# a few steps of train_ddp.py's own model, optimizer (fused SGD on CUDA) and GradScaler come first, the first one's
+# loss made inf: the GradScaler skips it, the momentum stays zero (fused SGD would leave garbage without
+# build_optimizer's zeros), and the first step taken gives the momentum and weights of plain SGD.
+cat >"$work/fp16_first_step.py" <<'EOF'
+import sys, torch, torch.nn.functional as F, train_ddp
+args = train_ddp.parse_args(["--arch", "resnet18", "--image-size", "32", "--amp", "fp16", "--channels-last",
+                             "--checkpoint-dir", sys.argv[1]])
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+model = train_ddp.build_model(args, None)[0].to(device, memory_format=train_ddp.memory_format(args))
+optimizer, scaler = train_ddp.build_optimizer(model, args)
+(group,) = optimizer.param_groups
+assert group["fused"] == (device.type == "cuda"), group["fused"]
+images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+images, labels = images.to(device, memory_format=torch.channels_last), torch.arange(8, device=device) % 10
+def step(loss_factor):  # as train_one_epoch steps: whether skipped, and the weights and gradients it started from
+    with train_ddp.amp_context(args, device):
+        loss = F.cross_entropy(model(images), labels)
+    scaler.scale(loss * loss_factor).backward()
+    scale = scaler.get_scale()
+    start = [(p.detach().clone(), p.grad / scale) for p in group["params"]]
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return scaler.get_scale() < scale, start
+def momentum_is_zero():
+    for p in group["params"]:
+        buffer = optimizer.state[p].get("momentum_buffer")
+        assert buffer is not None and buffer.stride() == p.stride() and not buffer.any(), "momentum not zero"
+assert step(float("inf"))[0], "a step with an inf loss was taken"
+momentum_is_zero()
+for skipped_after in range(10):  # the GradScaler's first scale may overflow fp16 too
+    skipped, start = step(1)
+    if not skipped:
+        break
+    momentum_is_zero()
+assert not skipped, "10 steps skipped after the first"
+plain_weights = [weight.requires_grad_() for weight, _ in start]
+for weight, (_, grad) in zip(plain_weights, start):
+    weight.grad = grad
+plain = torch.optim.SGD(plain_weights, lr=group["lr"], momentum=group["momentum"],
+                        weight_decay=group["weight_decay"], foreach=False)
+plain.step()
+for p, weight in zip(group["params"], plain_weights):
+    torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], plain.state[weight]["momentum_buffer"])
+    torch.testing.assert_close(p.detach(), weight.detach())
+print(f"NOTE {'fused' if group['fused'] else 'unfused'} SGD: an inf first step skipped, momentum 0 after it; "
+      f"{skipped_after} more skipped; the next as plain SGD", flush=True)
+EOF
+step train_fp16_hook_fp16 90 bash -c "$(first "$py" "$work/fp16_first_step.py" "$work/fp16_first_step")" _ \
+    "${checked[@]}" "${fp16[@]}" --amp fp16 --comm-hook fp16 --checkpoint-dir "$work/fp16" \
     --metrics-file "$work/train_fp16_hook_fp16.jsonl"
 learned train_fp16_hook_fp16 checked
-verify train_fp16_hook_fp16 "s = ck('fp16/last.pt')['scaler']; assert 0 < s['scale'] <= 2**16, s"
 step train_fp32 90 "${checked[@]}" --checkpoint-dir "$work/fp32" --metrics-file "$work/train_fp32.jsonl"
 learned train_fp32 checked
 verify train_fp32 "assert '$on' in log('train_fp32')"
-step resume 90 "${train[@]}" --epochs 3 --resume "$work/fp32/last.pt" --checkpoint-dir "$work/fp32" \
-    --metrics-file "$work/train_fp32.jsonl"
-verify resume "val_samples = $val; assert 'at epoch 3 step 0' in log('resume'); learned('train_fp32.jsonl', 3)
-assert ck('fp32/last.pt')['epoch'] == 3"
+
+# A resume across devices and memory formats: 1 epoch on the CPU (no CUDA visible: gloo, unfused SGD, contiguous
+# momentum), resumed on the GPU with --channels-last, where the fused CUDA kernel refuses momentum in a layout other
+# than its parameter's. It trains the second epoch, and saves channels-last momentum for every parameter.
+cpu_epoch=(env CUDA_VISIBLE_DEVICES= "$py" train_ddp.py "${small[@]}" --train-samples 256 --val-samples 64 --epochs 1
+           --checkpoint-dir "$work/resume" --metrics-file "$work/resume.jsonl")
+step resume 90 bash -c "$(first "${cpu_epoch[@]}")" _ "${train[@]}" --channels-last --resume "$work/resume/last.pt" \
+    --checkpoint-dir "$work/resume" --metrics-file "$work/resume.jsonl"
+verify resume "val_samples = $val; torch = __import__('torch'); text = log('resume')
+assert 'on 1 x cpu (gloo)' in text and '$on' in text and 'at epoch 2 step 0' in text, 'no CPU checkpoint resumed'
+records = m('resume.jsonl')
+assert [r['epoch'] for r in records] == [1, 2] and all(math.isfinite(r['train_loss']) for r in records), records
+assert records[-1]['val_samples'] == val_samples, records
+c = ck('resume/last.pt'); (group,) = c['optimizer']['param_groups']
+assert (c['epoch'], c['step'], group['fused']) == (2, 0, '$on' != '1 x cpu (gloo)'), (c['epoch'], c['step'], group)
+buffers = [state['momentum_buffer'] for state in c['optimizer']['state'].values()]
+assert len(buffers) == len(group['params']) and all(b.isfinite().all() for b in buffers), 'momentum missing or inf'
+assert all(b.is_contiguous(memory_format=torch.channels_last) for b in buffers if b.dim() == 4), 'not channels-last'
+print('NOTE', f\"a CPU checkpoint resumed on $on, channels-last: epoch 2 train_loss {records[-1]['train_loss']:.3f}\")"
 
 # Two ranks on the one device over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of 8 images
 # each must give the weights and batch-norm statistics of one process stepping on all 16 with plain batch norm,
@@ -422,6 +530,17 @@ verify speed_bf16_channels_last "rows = [r.split('|') for r in log('speed_bf16_c
         if r.startswith('| this machine |')]
 assert len(rows) == 2, rows
 print('NOTE', ', '.join(f'{r[3].strip()} {r[4].split()[0]} img/s' for r in rows))"
+
+# torch 2.15 and later: the NCCL steps again on the old ProcessGroupNCCL, which TORCH_DIST_USE_NCCL2=0 selects.
+one_nccl gather_nccl_legacy || needs_gpu gather_nccl_legacy ||
+    step gather_nccl_legacy 150 env TORCH_DIST_USE_NCCL2=0 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
+        --backend nccl
+one_nccl gather_mixed_group_legacy || needs_gpu gather_mixed_group_legacy ||
+    step gather_mixed_group_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
+        --backend cpu:gloo,cuda:nccl
+one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
+    step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
+timed_out_verified nccl_timeout_legacy
 
 step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
 learned compile

@@ -749,14 +749,20 @@ def learning_rate(run, args, images_per_step):
 
 
 def start_momentum_at_zero(optimizer):
-    """SGD's momentum buffers as zeros, in each parameter's layout, before the first step. torch's
-    fused SGD makes them with empty_like at its first step and keeps them so when the GradScaler
-    skips that step for an overflow (torch/optim/sgd.py, _fused_sgd), as an fp16 run's first steps
-    do: garbage momentum from then on. With dampening 0, a zero buffer makes the first step's
+    """Every momentum buffer in its parameter's layout (see restore_optimizer_settings), and zeros
+    for each parameter of a group with momentum that has none: at the start (build_optimizer), and
+    after a checkpoint's state, which may hold none (saved with --momentum 0) or some (parameters
+    that got no gradient). torch's fused SGD makes missing ones with empty_like at its first step
+    if all are missing, and keeps them so when the GradScaler skips that step for an overflow
+    (torch/optim/sgd.py, _fused_sgd), as an fp16 run's first steps do: garbage momentum from then
+    on; if some are missing, it raises. With dampening 0, a zero buffer makes the next step's
     update the same as no buffer."""
     for group in optimizer.param_groups:
-        if group["momentum"]:
-            for p in group["params"]:
+        for p in group["params"]:
+            buffer = optimizer.state[p].get("momentum_buffer")
+            if buffer is not None:
+                optimizer.state[p]["momentum_buffer"] = torch.empty_like(p).copy_(buffer)
+            elif group["momentum"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
@@ -767,15 +773,13 @@ def optimizer_settings(optimizer):
 
 def restore_optimizer_settings(optimizer, settings):
     """After load_state_dict, which brings back the saving run's settings (fused among them, which a
-    CPU run cannot take from a GPU's) and its momentum buffers' memory layout: this run's settings,
-    and each buffer in the layout of its parameter (channels-last or not), which the fused kernels
-    need (CUDA's refuses another, the CPU's computes wrongly with it)."""
+    CPU run cannot take from a GPU's) and its momentum buffers in its memory layout, if it had
+    them: this run's settings, and a buffer for every parameter of a group with momentum, in the
+    layout of that parameter (channels-last or not), which the fused kernels need (CUDA's refuses
+    another, the CPU's computes wrongly with it)."""
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
-        for p in group["params"]:
-            buffer = optimizer.state[p].get("momentum_buffer")
-            if buffer is not None:
-                optimizer.state[p]["momentum_buffer"] = torch.empty_like(p).copy_(buffer)
+    start_momentum_at_zero(optimizer)
 
 
 def gather_rng_states():

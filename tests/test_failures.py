@@ -605,11 +605,12 @@ def gpu_check(tmp_path, deadline, only=""):
 
 
 def gpu_check_plan():
-    """gpu_check.sh's plan: its steps in order, each with its estimated seconds on an H200; and the seconds of the
-    probes and checks between them."""
+    """gpu_check.sh's plan: its steps in order, each with its estimated seconds on an H200; the seconds of the
+    probes and checks between them; and the steps that run on torch 2.15 or later only."""
     text = (Path(TRAIN).parent / "gpu_check.sh").read_text()
     words = re.search(r"^plan=\(([^)]*)\)", text, re.M)[1].split()
-    return dict(zip(words[::2], map(int, words[1::2]))), int(re.search(r"^probes_and_checks=(\d+)$", text, re.M)[1])
+    return (dict(zip(words[::2], map(int, words[1::2]))), int(re.search(r"^probes_and_checks=(\d+)$", text, re.M)[1]),
+            re.search(r"^from_torch_2_15=\(([^)]*)\)", text, re.M)[1].split())
 
 
 def left_by(tmp_path):
@@ -626,16 +627,18 @@ def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     results = {step["step"]: (step["result"], step["note"]) for step in summary["steps"]}
     assert seconds < 40 + 30, stdout(job)[-3000:]
-    plan, _ = gpu_check_plan()  # every step, in the plan's order, with its estimate
+    plan, _, _ = gpu_check_plan()  # every step, in the plan's order, with its estimate
     assert [(step["step"], step["estimated_seconds"]) for step in summary["steps"]] == list(plan.items()), summary
     assert results["gather_nccl"] == ("skipped", "needs a GPU")
     # A step that the deadline cut short is incomplete too, not failed.
     assert results["headline"][0] == "pass" or results["headline"] == ("skipped", "deadline"), results
-    # Once the deadline skips a step, it skips every one after it (but those a rehearsal skips for want of a GPU):
-    # the least valuable, last in the plan.
-    cut = [result == ("skipped", "deadline") for result in results.values() if result != ("skipped", "needs a GPU")]
+    # Once the deadline skips a step, it skips every one after it (but those a rehearsal skips for want of a GPU,
+    # and those this torch has nothing for): the least valuable, last in the plan.
+    cut = [result == ("skipped", "deadline") for result in results.values()
+           if result != ("skipped", "needs a GPU") and result[0] != "not applicable"]
     assert cut[-1] and cut[cut.index(True):] == [True] * (len(cut) - cut.index(True)), results
-    assert not [name for name, (result, _) in results.items() if result not in ("pass", "skipped")], results
+    assert not [name for name, (result, _) in results.items()
+                if result not in ("pass", "skipped", "not applicable")], results
     assert job.returncode == 2, stdout(job)[-3000:]
     assert summary["finished"] and not summary["complete"] and summary["skipped_by_deadline"] >= 5, summary
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log", "step_logs.tar.gz",
@@ -645,9 +648,28 @@ def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
 
 def test_gpu_check_plan_fits_in_420_s_by_its_own_estimates():
     # A GPU session has 15 minutes at most, the machine's start included, and 10 for one command: the deadline
-    # (540 s) is the margin for estimates that turn out low, not a budget to plan into.
-    plan, probes_and_checks = gpu_check_plan()
-    assert sum(plan.values()) + probes_and_checks <= 420, plan
+    # (540 s) is the margin for estimates that turn out low, not a budget to plan into. The GPU machine has torch
+    # 2.11; on 2.15 or later the NCCL steps run again on the old backend, which must still fit the deadline.
+    plan, probes_and_checks, from_torch_2_15 = gpu_check_plan()
+    assert from_torch_2_15 and set(from_torch_2_15) <= plan.keys(), from_torch_2_15
+    on_2_11 = sum(seconds for name, seconds in plan.items() if name not in from_torch_2_15)
+    assert on_2_11 + probes_and_checks <= 420, plan
+    assert sum(plan.values()) + probes_and_checks < 540, plan
+
+
+@pytest.mark.quick
+@pytest.mark.skipif(torch.__version__ >= "2.15", reason="this torch has both NCCL backends")
+def test_gpu_check_lists_the_second_nccl_backends_steps_as_not_applicable_before_torch_2_15(tmp_path):
+    # On the GPU machine's torch 2.11 the steps for torch 2.15's old NCCL backend run nothing, cost no time, and
+    # leave the check complete, exit code 0: not skipped by the deadline, which would make it incomplete.
+    _, _, from_torch_2_15 = gpu_check_plan()
+    job = gpu_check(tmp_path, 300, only=" ".join(from_torch_2_15))
+    wait_exit(job, 120)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert job.returncode == 0 and summary["complete"] and summary["failed"] == 0, stdout(job)[-3000:]
+    assert [(step["step"], step["result"], step["seconds"]) for step in summary["steps"]] == [
+        (name, "not applicable", 0) for name in from_torch_2_15], summary
+    assert all(re.fullmatch(r"torch 2\.\d+ has one NCCL backend", step["note"]) for step in summary["steps"]), summary
 
 
 def test_gpu_check_refuses_an_only_that_names_no_step(tmp_path):

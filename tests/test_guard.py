@@ -138,7 +138,6 @@ def test_start_momentum_at_zero_keeps_fused_sgd_right_after_a_skipped_step():
         torch.testing.assert_close(fused[key], plain[key], msg=key)
 
 
-
 COLLECTIVE_FAILED = """
 import sys, types
 import torch.distributed as dist
@@ -164,3 +163,34 @@ def test_collective_failed_raises_any_other_error_as_it_is():
     result = run([sys.executable, "-c", COLLECTIVE_FAILED, "CUDA out of memory"], env=clean_env(), cwd=ROOT,
                  timeout=60)
     assert result.returncode == 1 and result.stderr.splitlines()[-1].endswith("RuntimeError: CUDA out of memory")
+
+
+@pytest.mark.parametrize("saved", ["momentum 0", "some buffers"])
+def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_checkpoint_has_none(saved):
+    # A checkpoint saved with --momentum 0 has no momentum buffers, and one whose model had parameters that got no
+    # gradient has some only. Resumed with momentum, fused SGD would make the missing ones with empty_like at its
+    # first step (garbage, kept when the GradScaler skips that step), or, with some there, raise. Loaded as
+    # train_ddp.py's restore_training_state loads it, every parameter has a buffer in its layout: the
+    # checkpoint's where it had one, zeros where not.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    model = model.to(memory_format=torch.channels_last)
+    # Saved by an earlier version, which left the buffers to SGD (today's start with all of them).
+    before = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if saved == "momentum 0" else 0.9)
+    trained = model if saved == "momentum 0" else model[0]  # the rest gets no gradient, and no buffer
+    trained(torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)).square().sum().backward()
+    before.step()
+    checkpoint = before.state_dict()
+    had = {i for i, state in checkpoint["state"].items() if state.get("momentum_buffer") is not None}
+    assert len(had) == (0 if saved == "momentum 0" else 2), checkpoint["state"]
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard.start_momentum_at_zero(optimizer)
+    settings = guard.optimizer_settings(optimizer)
+    optimizer.load_state_dict(checkpoint)
+    guard.restore_optimizer_settings(optimizer, settings)
+    for i, p in enumerate(model.parameters()):
+        buffer = optimizer.state[p].get("momentum_buffer")
+        assert buffer is not None and buffer.stride() == p.stride(), i
+        want = checkpoint["state"][i]["momentum_buffer"] if i in had else torch.zeros_like(p)
+        torch.testing.assert_close(buffer, want, rtol=0, atol=0, msg=str(i))
