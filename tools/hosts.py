@@ -36,14 +36,17 @@ def ip(*args):
 
 
 class Hosts:
-    """`count` hosts named host0, host1, ... at SUBNET.1, SUBNET.2, ... on eth0, their default route; `rate` (e.g.
+    """`count` hosts named host0, host1, ... at SUBNET.1, SUBNET.2, ... on eth0; `rate` (e.g.
     "1gbit") caps each host's sending rate with tc's token bucket; `hosts_files[i]`, if given, replaces host i's
-    /etc/hosts; `cards=2` adds eth1, at SECOND_SUBNET.1, .2, ..., on a network of its own."""
+    /etc/hosts; `cards=2` adds eth1, at SECOND_SUBNET.1, .2, ..., on a network of its own; `default_route` sends
+    what has no other route to eth0 (name lookups then wait for a DNS server that never answers: only where a test
+    needs it)."""
 
-    def __init__(self, count, rate=None, hosts_files=None, cards=1):
+    def __init__(self, count, rate=None, hosts_files=None, cards=1, default_route=False):
         self.names = [f"ddp{os.getpid()}h{i}" for i in range(count)]
         self.switch = f"ddp{os.getpid()}sw"
         self.rate, self.hosts_files, self.cards = rate, hosts_files or {}, cards
+        self.default_route = default_route
 
     def address(self, i):
         return f"{SUBNET}.{i + 1}"
@@ -68,8 +71,8 @@ class Hosts:
                     ip("-n", self.switch, "link", "set", port, "master", f"br{card}", "up")
                     ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", f"eth{card}")
                     ip("-n", name, "link", "set", f"eth{card}", "up")
-                # As on a real machine; the bridge has no way out, so no packet leaves the namespaces.
-                ip("-n", name, "route", "add", "default", "dev", "eth0")
+                if self.default_route:  # as on a real machine; the bridge has no way out
+                    ip("-n", name, "route", "add", "default", "dev", "eth0")
                 if self.rate:
                     subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                                     "rate", self.rate, "burst", "1mb", "latency", "100ms"], check=True, timeout=30)
