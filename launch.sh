@@ -129,9 +129,9 @@ if [[ -n ${NNODES:-} ]]; then
             exit 2
         fi
         addr=${addrs%%$'\n'*} is_host=${is_host:-false}
-        for local in $addrs; do
-            if [[ $(ip route get "$local" 2>/dev/null) == local* ]]; then
-                addr=$local is_host=true host_why="this machine holds MASTER_ADDR $local"
+        for candidate in $addrs; do
+            if [[ $(ip route get "$candidate" 2>/dev/null) == local* ]]; then
+                addr=$candidate is_host=true host_why="this machine holds MASTER_ADDR $candidate"
             fi
         done
         why="reaches MASTER_ADDR $addr"
@@ -148,7 +148,7 @@ if [[ -n ${NNODES:-} ]]; then
         elif [[ $is_host == true ]]; then  # the interface that holds it; for loopback, the default route's
             dev=$(ip -o addr show to "$addr" | awk '$2 != "lo" {print $2; exit}')
             if [[ -z $dev ]]; then
-                dev=$(ip route show default | grep -o 'dev [^ ]*' | cut -d' ' -f2 | head -n 1)
+                dev=$(ip route show default | grep -o 'dev [^ ]*' | cut -d' ' -f2 | head -n 1) || true
                 why="the default route's: MASTER_ADDR is $addr, on loopback here"
             fi
         else
