@@ -18,7 +18,6 @@ import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,9 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-from torch.optim.swa_utils import update_bn
 from torch.torch_version import TorchVersion
-from torch.utils.data import DataLoader
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
@@ -45,8 +42,6 @@ NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
 # is gone: a RuntimeError, not the old class's DistBackendError (nccl2/ProcessGroupNCCLUtils.cpp,
 # checkAndAbortIfTimedOutOrError).
 NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communicator was aborted")
-BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
-CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 
 
 # ------------------------------------------------------------------------- one-line failures
@@ -566,186 +561,9 @@ def replica_checksums(run, args):
 
 
 # ---------------------------------------------------------------------------- the log lines
-def synced_clock(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # kernels run asynchronously: time what they did, not the queue
-    return time.perf_counter()
-
-
-class StepClock:
-    """Images/s and the share of time spent waiting for data, since the last log line and over the
-    epoch. It waits for the device at log lines only; the time waited for data is the host's (a
-    GPU busy with queued steps is not idle)."""
-
-    def __init__(self, step, device, images_per_step):
-        self.device, self.images_per_step, self.first_step = device, images_per_step, step
-        self.marks = [(step, synced_clock(device), 0.0)]  # (step, time, data waited), per line
-        self.waited = 0.0
-
-    @contextmanager
-    def waiting(self):
-        began = time.perf_counter()
-        yield
-        self.waited += time.perf_counter() - began
-
-    def line(self, step):
-        """(images/s, the share of time waiting for data) since the line before; marks this one."""
-        (line_step, began, waited), now = self.marks[-1], synced_clock(self.device)
-        self.marks.append((step, now, self.waited))
-        return ((step - line_step) * self.images_per_step / (now - began),
-                (self.waited - waited) / (now - began))
-
-    def epoch(self):
-        """The epoch's data-wait share, and its images/s from the first log line on (before it: the
-        warm-up and any compilation), unless that was the last line."""
-        (_, began, _), (last_step, last, _) = self.marks[0], self.marks[-1]
-        timed_step, timed, _ = self.marks[1 if len(self.marks) > 2 else 0]
-        return {"data_wait": self.waited / (last - began),
-                "images_per_sec": (last_step - timed_step) * self.images_per_step / (last - timed)}
-
-
-def start_line(args, device, train_set, val_set, steps, new_layers):
-    start = ""
-    if args.weights:
-        start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "")
-    if args.compile:
-        start += ", compiled (the first step compiles, which takes a while)"
-    recipe = "synthetic data"
-    if args.data:
-        recipe = " > ".join(type(t).__name__ for t in train_set.transform.transforms)
-    world = dist.get_world_size()
-    return (f"{args.arch}{start} on {world} x {device.type} ({args.backend}), {len(train_set)} "
-            f"train / {len(val_set)} val images at {args.image_size} px, {recipe}, batch "
-            f"{args.batch_size} x {args.accum_steps} x {world}, {steps} steps per epoch")
-
-
-def step_line(run, args, mean, lr, images_per_sec):
-    total = args.epochs * run.steps_per_epoch
-    done = run.epoch * run.steps_per_epoch + run.step
-    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
-    eta = datetime.timedelta(seconds=round((total - done) * images_per_step / images_per_sec))
-    return (f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
-            f"({done}/{total}) loss {mean['loss']:.4f} lr {lr:.4g} {images_per_sec:.1f} img/s "
-            f"data {mean['data']:.0%} eta {eta}")
-
-
-def epoch_line(record, args):
-    return (f"epoch {record['epoch']}/{args.epochs} train_loss {record['train_loss']:.4f} "
-            f"val_loss {record['val_loss']:.4f} val_acc1 {record['val_acc1']:.2f}% "
-            f"val_acc5 {record['val_acc5']:.2f}% ({record['val_samples']} images) "
-            f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} "
-            f"{record['epoch_seconds']:.1f} s")
-
-
-def stop_line(run, args, mid_epoch):
-    """The last line of a run that a SIGTERM stopped: where, and how to go on from there."""
-    if mid_epoch:
-        where = f"at epoch {run.epoch + 1} step {run.step}/{run.steps_per_epoch}"
-    else:  # after an epoch's checkpoint and validation: run stands at the next epoch's start
-        where = f"after epoch {run.epoch}"
-    return f"stopped by SIGTERM {where}; continue with --resume {last_checkpoint(args)}"
-
-
-def resume_line(path, checkpoint, args, run):
-    """What this run changes, and then trains with: the batch over all ranks, the optimizer's."""
-    saved_args = checkpoint["args"]
-    saved = f"{saved_args['batch_size']} x {saved_args['accum_steps']} x {checkpoint['world_size']}"
-    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
-    changed = [] if now == saved else [f"batch {now} (was {saved}; {run.samples} images of the "
-                                       "epoch done)"]
-    changed += [f"--{dashed(name)} {getattr(args, name):g} (was {saved_args[name]:g})"
-                for name in ["lr", "momentum", "weight_decay"]
-                if getattr(args, name) != saved_args[name]]
-    settings = f"; with {', '.join(changed)}" if changed else ""
-    return f"resumed from {path} at epoch {run.epoch + 1} step {checkpoint['step']}{settings}"
-
-
 # ------------------------------------------------------------------- resume bookkeeping
 def last_checkpoint(args):
     return Path(args.checkpoint_dir) / "last.pt"
-
-
-def load_checkpoint(args):
-    """(path, checkpoint) to resume from, each file read once, on every rank; (None, None) for a
-    fresh start. A resume without --image-size goes on at the sizes its run started with."""
-    path, checkpoint = own_checkpoint(args)
-    if checkpoint is None and args.resume:
-        path, checkpoint = Path(args.resume), read_checkpoint(Path(args.resume))
-    if checkpoint is None:
-        return None, None
-    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
-        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
-             f"{', '.join(sorted(CHECKPOINT_KEYS))})")
-    if checkpoint["args"]["arch"] != args.arch:
-        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
-             f"{args.arch}")
-    if not args.image_size_given:
-        for name in ["image_size", "resize", "interpolation"]:
-            setattr(args, name, checkpoint["args"].get(name, getattr(args, name)))
-    return path, checkpoint
-
-
-def own_checkpoint(args):
-    """(path, checkpoint) of the last.pt this torchrun job (its run id) has written, which a restart
-    (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX); else
-    (None, None)."""
-    last, job = last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    # torchrun's default id, "none", is every job's: only a restart takes a last.pt of that id.
-    if not last.exists() or args.evaluate or not (restarted or job not in (None, "none")):
-        return None, None
-    try:  # a last.pt that an earlier job left in the directory must not pass for this job's
-        checkpoint = torch.load(last, map_location="cpu", weights_only=True)
-        run_id = checkpoint.get("run_id")
-    except Exception:  # unreadable: not this job's, which writes atomically
-        run_id = None
-    if run_id == job:
-        return last, checkpoint
-    if restarted and world_from_env()[0] == 0:
-        say(f"restart: ignoring {last}, written by another job (run id {run_id})")
-    return None, None
-
-
-def read_checkpoint(path):
-    """The file --resume names, else one line and exit 2."""
-    if not path.is_file():
-        fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {first_line(e)})")
-
-
-def samples_done(checkpoint):
-    """The images of its epoch a checkpoint had trained, over all ranks. Checkpoints before
-    2026-12-04 count the steps only, at the world size and batch that wrote them."""
-    saved = checkpoint["args"]
-    per_step = checkpoint["world_size"] * saved["batch_size"] * saved["accum_steps"]
-    return checkpoint.get("samples", checkpoint["step"] * per_step)
-
-
-def remaining_shard(sampler, run, args):
-    """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every
-    rank, and the step they start after. DistributedSampler deals the epoch's one order out in turn
-    (rank r: entries r, r + world, ...), so the run.samples trained before, at any world size and
-    batch, are its first ones: each rank skips its share (docs/checkpoints.md)."""
-    world, rank = sampler.num_replicas, sampler.rank
-    per_step = args.batch_size * args.accum_steps
-    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
-    # Rank 0's steps left: it skips the most.
-    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step
-    return list(sampler)[skip: skip + steps_left * per_step], run.steps_per_epoch - steps_left
-
-
-def learning_rate(run, args, images_per_step):
-    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at
-    --epochs. Placed by the images trained, not the steps, so that a resume at another world size
-    or batch goes on along the same curve."""
-    epochs_done = run.epoch + run.samples / (run.steps_per_epoch * images_per_step)
-    if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
-        return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
-    progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
-    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def start_momentum_at_zero(optimizer):
@@ -764,38 +582,6 @@ def start_momentum_at_zero(optimizer):
                 optimizer.state[p]["momentum_buffer"] = torch.empty_like(p).copy_(buffer)
             elif group["momentum"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-
-
-def optimizer_settings(optimizer):
-    """Each param group's settings (lr, momentum, fused, ...), without its parameters."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
-def restore_optimizer_settings(optimizer, settings):
-    """After load_state_dict, which brings back the saving run's settings (fused among them, which a
-    CPU run cannot take from a GPU's) and its momentum buffers in its memory layout, if it had
-    them: this run's settings, and a buffer for every parameter of a group with momentum, in the
-    layout of that parameter (channels-last or not), which the fused kernels need (CUDA's refuses
-    another, the CPU's computes wrongly with it)."""
-    for group, own in zip(optimizer.param_groups, settings):
-        group.update(own)
-    start_momentum_at_zero(optimizer)
-
-
-def gather_rng_states():
-    """Every rank's random streams, the CPU's and the GPU's, as every rank gathered them. Gathers:
-    every rank must call it."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
-
-
-def restore_rng_state(states):
-    """This rank's random streams from gather_rng_states(); a rank that the saving run lacked (a
-    larger world) keeps its own seed's."""
-    if dist.get_rank() < len(states):
-        torch.set_rng_state(states[dist.get_rank()]["torch"])
-        if torch.cuda.is_available() and states[dist.get_rank()]["cuda"] is not None:
-            torch.cuda.set_rng_state(states[dist.get_rank()]["cuda"])
 
 
 # ------------------------------------------------------------------------ checkpoint writes
@@ -853,26 +639,6 @@ def write_atomically(state, path):
 
 
 # ----------------------------------------------------------------------- hooks and batch norm
-@torch.no_grad()
-def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
-    """Batch-norm statistics for the weights as they are (precise BN): each rank's share of
-    BN_IMAGES, averaged over ranks, so that all validate, and save, one model (docs/training.md).
-    Reduces: every rank must call it."""
-    per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
-    batches = max(1, per_rank // args.batch_size)
-    indices = list(sampler)[: batches * args.batch_size]
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=indices, drop_last=True,
-                        num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(args.seed))
-    cuda = [to_input.device] if to_input.device.type == "cuda" else []
-    with torch.random.fork_rng(cuda):  # training's random stream stays as it is
-        update_bn((to_input(*batch)[0] for batch in loader), model)  # a plain average
-    for norm in model.modules():
-        if getattr(norm, "track_running_stats", False):
-            for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
-                dist.all_reduce(stats.div_(dist.get_world_size()))
-
-
 def powersgd_hook_for_gloo_too(state, bucket):
     """torch's PowerSGD hook, which chains two all-reduces per bucket through callbacks. Gloo
     matches collectives by issue order, which concurrent buckets' callbacks make differ between

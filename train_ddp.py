@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.transforms import v2
@@ -53,13 +54,15 @@ ARCHS = torchvision.models.list_models(module=torchvision.models)
 # ambiguous, the class shows only over many pixels: accuracy climbs for epochs and stays below 100%.
 SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # torchvision's weights'
+BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
+CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-resized crops of 8%
 
 
 def main(argv=None):
     args = parse_args(argv)  # 1. arguments
     # Read before the process group forms: a bad file fails fast, and every rank with it.
-    resume_from, checkpoint = guard.load_checkpoint(args)  # --resume, or this job's last.pt
+    resume_from, checkpoint = load_checkpoint(args)  # --resume, or this job's last.pt
     if args.dry_run:
         return
     # Noted from here on: a SIGTERM during the set-up, or held since start-up, stops at step one.
@@ -193,9 +196,9 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     run = Training(model, optimizer, scaler, steps_per_epoch=steps)
     if checkpoint:
         restore_training_state(checkpoint, run)
-        log(guard.resume_line(resume_from, checkpoint, args, run))
+        log(resume_line(resume_from, checkpoint, args, run))
         checkpoint.clear()  # the model and optimizer have what they need: free the rest
-    log(guard.start_line(args, device, train_set, val_set, steps, new_layers))
+    log(start_line(args, device, train_set, val_set, steps, new_layers))
     with run.writer:  # its end waits for the last checkpoint write, also on an error
         fit(run, train_set, val_set, args, to_input, stop)
 
@@ -326,26 +329,26 @@ def fit(run, train_set, val_set, args, to_input, stop):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Workers seeded by a generator of their own, not from the RNG that a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        shard, run.step = guard.remaining_shard(sampler, run, args)  # a resume goes on mid-epoch
+        shard, run.step = remaining_shard(sampler, run, args)  # a resume goes on mid-epoch
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
                             drop_last=True, generator=torch.Generator().manual_seed(worker_seed))
         train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)
         if stopped:
             save_checkpoint(run, args)
-            return log(guard.stop_line(run, args, mid_epoch=True))
+            return log(stop_line(run, args, mid_epoch=True))
         run.epoch, run.samples, run.step = epoch + 1, 0, 0
         # Precise batch norm: statistics for the weights as they are, the same on every rank.
-        guard.recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
+        recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
         # Saved before validating: a SIGTERM or a kill during validation loses no training.
         checksums = save_checkpoint(run, args)
         metrics = validate(run.model.module, val_set, args, to_input)
         record = {"epoch": epoch + 1, **train_stats, **metrics, "replica_checksums": checksums,
                   "epoch_seconds": time.perf_counter() - epoch_start}
         append_metrics(args, record)
-        log(guard.epoch_line(record, args))
+        log(epoch_line(record, args))
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
-            return log(guard.stop_line(run, args, mid_epoch=False))
+            return log(stop_line(run, args, mid_epoch=False))
 
 
 def train_one_epoch(run, loader, args, to_input, stop):
@@ -357,7 +360,7 @@ def train_one_epoch(run, loader, args, to_input, stop):
     run.model.train()
     autocast = amp_context(args, to_input.device)
     batches, loss_sum = iter(loader), torch.zeros((), device=to_input.device)
-    clock = guard.StepClock(run.step, to_input.device, images_per_step)
+    clock = StepClock(run.step, to_input.device, images_per_step)
     with clock.waiting():
         upcoming = next_step(batches, args, stop)
     while run.step < run.steps_per_epoch:
@@ -377,7 +380,7 @@ def train_one_epoch(run, loader, args, to_input, stop):
                 run.scaler.scale(loss / args.accum_steps).backward()
             # Detached: reducing the live loss would put the collective into the autograd graph.
             step_loss += loss.detach() / args.accum_steps
-        lr = guard.learning_rate(run, args, images_per_step)
+        lr = learning_rate(run, args, images_per_step)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         run.scaler.step(run.optimizer)
@@ -389,7 +392,7 @@ def train_one_epoch(run, loader, args, to_input, stop):
             images_per_sec, data_share = clock.line(run.step)
             mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": data_share})
             guard.check_finite_loss(mean["loss"], run, args)
-            log(guard.step_line(run, args, mean, lr, images_per_sec))
+            log(step_line(run, args, mean, lr, images_per_sec))
         if args.save_every and run.step % args.save_every == 0 and run.step < run.steps_per_epoch:
             save_checkpoint(run, args)  # the epoch's end saves anyway
     stats = {"train_loss": loss_sum / (run.step - clock.first_step), **clock.epoch()}
@@ -470,12 +473,151 @@ def append_metrics(args, record):
             f.write(json.dumps(record) + "\n")
 
 
+def remaining_shard(sampler, run, args):
+    """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every
+    rank, and the step they start after. DistributedSampler deals the epoch's one order out in turn
+    (rank r: entries r, r + world, ...), so the run.samples trained before, at any world size and
+    batch, are its first ones: each rank skips its share (docs/checkpoints.md)."""
+    world, rank = sampler.num_replicas, sampler.rank
+    per_step = args.batch_size * args.accum_steps
+    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
+    # Rank 0's steps left: it skips the most.
+    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step
+    return list(sampler)[skip: skip + steps_left * per_step], run.steps_per_epoch - steps_left
+
+
+def learning_rate(run, args, images_per_step):
+    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at
+    --epochs. Placed by the images trained, not the steps, so that a resume at another world size
+    or batch goes on along the same curve."""
+    epochs_done = run.epoch + run.samples / (run.steps_per_epoch * images_per_step)
+    if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
+        return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
+    progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def synced_clock(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # kernels run asynchronously: time what they did, not the queue
+    return time.perf_counter()
+
+
+class StepClock:
+    """Images/s and the share of time spent waiting for data, since the last log line and over the
+    epoch. It waits for the device at log lines only; the time waited for data is the host's (a
+    GPU busy with queued steps is not idle)."""
+
+    def __init__(self, step, device, images_per_step):
+        self.device, self.images_per_step, self.first_step = device, images_per_step, step
+        self.marks = [(step, synced_clock(device), 0.0)]  # (step, time, data waited), per line
+        self.waited = 0.0
+
+    @contextmanager
+    def waiting(self):
+        began = time.perf_counter()
+        yield
+        self.waited += time.perf_counter() - began
+
+    def line(self, step):
+        """(images/s, the share of time waiting for data) since the line before; marks this one."""
+        (line_step, began, waited), now = self.marks[-1], synced_clock(self.device)
+        self.marks.append((step, now, self.waited))
+        return ((step - line_step) * self.images_per_step / (now - began),
+                (self.waited - waited) / (now - began))
+
+    def epoch(self):
+        """The epoch's data-wait share, and its images/s from the first log line on (before it: the
+        warm-up and any compilation), unless that was the last line."""
+        (_, began, _), (last_step, last, _) = self.marks[0], self.marks[-1]
+        timed_step, timed, _ = self.marks[1 if len(self.marks) > 2 else 0]
+        return {"data_wait": self.waited / (last - began),
+                "images_per_sec": (last_step - timed_step) * self.images_per_step / (last - timed)}
+
+
+@torch.no_grad()
+def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
+    """Batch-norm statistics for the weights as they are (precise BN): each rank's share of
+    BN_IMAGES, averaged over ranks, so that all validate, and save, one model (docs/training.md).
+    Reduces: every rank must call it."""
+    per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
+    batches = max(1, per_rank // args.batch_size)
+    indices = list(sampler)[: batches * args.batch_size]
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=indices, drop_last=True,
+                        num_workers=args.workers,
+                        generator=torch.Generator().manual_seed(args.seed))
+    cuda = [to_input.device] if to_input.device.type == "cuda" else []
+    with torch.random.fork_rng(cuda):  # training's random stream stays as it is
+        update_bn((to_input(*batch)[0] for batch in loader), model)  # a plain average
+    for norm in model.modules():
+        if getattr(norm, "track_running_stats", False):
+            for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
+                dist.all_reduce(stats.div_(dist.get_world_size()))
+
+
+def start_line(args, device, train_set, val_set, steps, new_layers):
+    start = ""
+    if args.weights:
+        start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "")
+    if args.compile:
+        start += ", compiled (the first step compiles, which takes a while)"
+    recipe = "synthetic data"
+    if args.data:
+        recipe = " > ".join(type(t).__name__ for t in train_set.transform.transforms)
+    world = dist.get_world_size()
+    return (f"{args.arch}{start} on {world} x {device.type} ({args.backend}), {len(train_set)} "
+            f"train / {len(val_set)} val images at {args.image_size} px, {recipe}, batch "
+            f"{args.batch_size} x {args.accum_steps} x {world}, {steps} steps per epoch")
+
+
+def step_line(run, args, mean, lr, images_per_sec):
+    total = args.epochs * run.steps_per_epoch
+    done = run.epoch * run.steps_per_epoch + run.step
+    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
+    eta = datetime.timedelta(seconds=round((total - done) * images_per_step / images_per_sec))
+    return (f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
+            f"({done}/{total}) loss {mean['loss']:.4f} lr {lr:.4g} {images_per_sec:.1f} img/s "
+            f"data {mean['data']:.0%} eta {eta}")
+
+
+def epoch_line(record, args):
+    return (f"epoch {record['epoch']}/{args.epochs} train_loss {record['train_loss']:.4f} "
+            f"val_loss {record['val_loss']:.4f} val_acc1 {record['val_acc1']:.2f}% "
+            f"val_acc5 {record['val_acc5']:.2f}% ({record['val_samples']} images) "
+            f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} "
+            f"{record['epoch_seconds']:.1f} s")
+
+
+def stop_line(run, args, mid_epoch):
+    """The last line of a run that a SIGTERM stopped: where, and how to go on from there."""
+    if mid_epoch:
+        where = f"at epoch {run.epoch + 1} step {run.step}/{run.steps_per_epoch}"
+    else:  # after an epoch's checkpoint and validation: run stands at the next epoch's start
+        where = f"after epoch {run.epoch}"
+    return f"stopped by SIGTERM {where}; continue with --resume {guard.last_checkpoint(args)}"
+
+
+def resume_line(path, checkpoint, args, run):
+    """What this run changes, and then trains with: the batch over all ranks, the optimizer's."""
+    saved_args = checkpoint["args"]
+    saved = f"{saved_args['batch_size']} x {saved_args['accum_steps']} x {checkpoint['world_size']}"
+    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
+    changed = [] if now == saved else [f"batch {now} (was {saved}; {run.samples} images of the "
+                                       "epoch done)"]
+    changed += [f"--{guard.dashed(name)} {getattr(args, name):g} (was {saved_args[name]:g})"
+                for name in ["lr", "momentum", "weight_decay"]
+                if getattr(args, name) != saved_args[name]]
+    settings = f"; with {', '.join(changed)}" if changed else ""
+    return f"resumed from {path} at epoch {run.epoch + 1} step {checkpoint['step']}{settings}"
+
+
+
 # ----------------------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
     """Rank 0 hands the training state, with each rank's random stream, to its writer thread, which
     writes last.pt while training goes on. Returns the replicas' checksums."""
     checksums = guard.replica_checksums(run, args)
-    rng = guard.gather_rng_states()  # every rank's, for each to go on with its own
+    rng = gather_rng_states()  # every rank's, for each to go on with its own
     if dist.get_rank() == 0:
         state = {"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict(),
                  "scaler": run.scaler.state_dict(), "epoch": run.epoch, "samples": run.samples,
@@ -487,13 +629,105 @@ def save_checkpoint(run, args):
 
 def restore_training_state(checkpoint, run):
     """The optimizer, scaler, random stream and place in the epoch; build_model loaded the model."""
-    settings = guard.optimizer_settings(run.optimizer)  # this run's; the state has the old run's
+    settings = optimizer_settings(run.optimizer)  # this run's; the state has the old run's
     run.optimizer.load_state_dict(checkpoint["optimizer"])
-    guard.restore_optimizer_settings(run.optimizer, settings)  # and momentum in the params' layout
+    restore_optimizer_settings(run.optimizer, settings)  # and momentum in the params' layout
     if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler's defaults
         run.scaler.load_state_dict(checkpoint["scaler"])
-    guard.restore_rng_state(checkpoint["rng"])
-    run.epoch, run.samples = checkpoint["epoch"], guard.samples_done(checkpoint)
+    restore_rng_state(checkpoint["rng"])
+    run.epoch, run.samples = checkpoint["epoch"], samples_done(checkpoint)
+
+
+def load_checkpoint(args):
+    """(path, checkpoint) to resume from, each file read once, on every rank; (None, None) for a
+    fresh start. A resume without --image-size goes on at the sizes its run started with."""
+    path, checkpoint = own_checkpoint(args)
+    if checkpoint is None and args.resume:
+        path, checkpoint = Path(args.resume), read_checkpoint(Path(args.resume))
+    if checkpoint is None:
+        return None, None
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        guard.fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
+             f"{', '.join(sorted(CHECKPOINT_KEYS))})")
+    if checkpoint["args"]["arch"] != args.arch:
+        guard.fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
+             f"{args.arch}")
+    if not args.image_size_given:
+        for name in ["image_size", "resize", "interpolation"]:
+            setattr(args, name, checkpoint["args"].get(name, getattr(args, name)))
+    return path, checkpoint
+
+
+def own_checkpoint(args):
+    """(path, checkpoint) of the last.pt this torchrun job (its run id) has written, which a restart
+    (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX); else
+    (None, None)."""
+    last, job = guard.last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    # torchrun's default id, "none", is every job's: only a restart takes a last.pt of that id.
+    if not last.exists() or args.evaluate or not (restarted or job not in (None, "none")):
+        return None, None
+    try:  # a last.pt that an earlier job left in the directory must not pass for this job's
+        checkpoint = torch.load(last, map_location="cpu", weights_only=True)
+        run_id = checkpoint.get("run_id")
+    except Exception:  # unreadable: not this job's, which writes atomically
+        run_id = None
+    if run_id == job:
+        return last, checkpoint
+    if restarted and guard.world_from_env()[0] == 0:
+        guard.say(f"restart: ignoring {last}, written by another job (run id {run_id})")
+    return None, None
+
+
+def read_checkpoint(path):
+    """The file --resume names, else one line and exit 2."""
+    if not path.is_file():
+        guard.fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        guard.fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {guard.first_line(e)})")
+
+
+def samples_done(checkpoint):
+    """The images of its epoch a checkpoint had trained, over all ranks. Checkpoints before
+    2026-12-04 count the steps only, at the world size and batch that wrote them."""
+    saved = checkpoint["args"]
+    per_step = checkpoint["world_size"] * saved["batch_size"] * saved["accum_steps"]
+    return checkpoint.get("samples", checkpoint["step"] * per_step)
+
+
+def optimizer_settings(optimizer):
+    """Each param group's settings (lr, momentum, fused, ...), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def restore_optimizer_settings(optimizer, settings):
+    """After load_state_dict, which brings back the saving run's settings (fused among them, which a
+    CPU run cannot take from a GPU's) and its momentum buffers in its memory layout, if it had
+    them: this run's settings, and a buffer for every parameter of a group with momentum, in the
+    layout of that parameter (channels-last or not), which the fused kernels need (CUDA's refuses
+    another, the CPU's computes wrongly with it)."""
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+    guard.start_momentum_at_zero(optimizer)
+
+
+def gather_rng_states():
+    """Every rank's random streams, the CPU's and the GPU's, as every rank gathered them. Gathers:
+    every rank must call it."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
+
+
+def restore_rng_state(states):
+    """This rank's random streams from gather_rng_states(); a rank that the saving run lacked (a
+    larger world) keeps its own seed's."""
+    if dist.get_rank() < len(states):
+        torch.set_rng_state(states[dist.get_rank()]["torch"])
+        if torch.cuda.is_available() and states[dist.get_rank()]["cuda"] is not None:
+            torch.cuda.set_rng_state(states[dist.get_rank()]["cuda"])
+
 
 
 if __name__ == "__main__":

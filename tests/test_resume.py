@@ -1,0 +1,105 @@
+"""Tests of train_ddp.py's resume that need no process group: one process, each in seconds."""
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data.distributed import DistributedSampler
+
+import guard
+import train_ddp
+from conftest import ROOT, clean_env, ok, run
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.quick]
+
+
+@pytest.mark.parametrize("before, after", [((2, 4, 1), (3, 2, 2)), ((4, 2, 1), (1, 8, 1)), ((3, 4, 1), (2, 3, 2)),
+                                           ((3, 2, 2), (2, 4, 1))], ids=["2to3", "4to1", "3to2", "3to2-tail"])
+def test_remaining_shard_trains_each_image_of_the_epoch_once_at_another_world_size(before, after):
+    # An epoch of 96 images cut after a few optimizer steps of (world size, batch, accumulation) `before`, resumed at
+    # `after`: the images trained are the epoch's own, each once, and all of them where the new step divides what is
+    # left, as in an uninterrupted epoch; otherwise all but a tail shorter than one new step (3to2-tail: 36 + 56).
+    images, epoch = list(range(96)), 5
+    whole = DistributedSampler(images, num_replicas=1, rank=0, seed=0)
+    whole.set_epoch(epoch)
+    order = list(whole)
+
+    def shards(layout, samples):
+        world, batch, accum = layout
+        args = SimpleNamespace(batch_size=batch, accum_steps=accum)
+        for rank in range(world):
+            sampler = DistributedSampler(images, num_replicas=world, rank=rank, seed=0)
+            sampler.set_epoch(epoch)
+            run = SimpleNamespace(samples=samples, steps_per_epoch=len(sampler) // (batch * accum))
+            shard, step = train_ddp.remaining_shard(sampler, run, args)
+            assert vars(run) == {"samples": samples, "steps_per_epoch": run.steps_per_epoch}  # unchanged
+            yield shard, step
+
+    cut_steps = {(2, 4, 1): 6, (4, 2, 1): 5, (3, 4, 1): 2, (3, 2, 2): 3}[before]
+    done = [i for shard, _ in shards(before, 0) for i in shard[: cut_steps * before[1] * before[2]]]
+    cut = len(done)
+    rest = [(shard, step) for shard, step in shards(after, cut)]
+    seen = done + [i for shard, _ in rest for i in shard]
+    assert len(seen) == len(set(seen))  # none twice
+    assert sorted(seen) == sorted(order[: len(seen)])  # the epoch's order, from its start
+    new_step = math.prod(after)
+    assert len(images) - len(seen) < new_step and len({step for _, step in rest}) == 1
+    if (len(images) - cut) % new_step == 0:
+        assert sorted(seen) == images
+        uninterrupted = [i for shard, _ in shards(after, 0) for i in shard]
+        assert sorted(uninterrupted) == sorted(seen)
+
+
+def test_load_checkpoint_reads_the_jobs_last_pt_once(tmp_path):
+    # A restart resumes from its job's own last.pt: the file that decides it is this job's is the one
+    # loaded, read once (a ResNet-50's is 190 MB, read by every rank of every node).
+    last = tmp_path / "last.pt"
+    args = {"arch": "resnet18", "batch_size": 8, "accum_steps": 1, "image_size": 32}
+    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "args": args, "run_id": "job-7"}, last)
+    code = f"""if True:
+        import types, torch, train_ddp
+        real_load, reads = torch.load, []
+        def counted(*args, **kwargs):
+            reads.append(args[0])
+            return real_load(*args, **kwargs)
+        torch.load = counted
+        args = types.SimpleNamespace(checkpoint_dir={str(tmp_path)!r}, evaluate=False, resume=None,
+                                     arch="resnet18", image_size_given=True)
+        path, checkpoint = train_ddp.load_checkpoint(args)
+        print(path, checkpoint["run_id"], len(reads))"""
+    env = clean_env(TORCHELASTIC_RUN_ID="job-7", TORCHELASTIC_RESTART_COUNT=1)
+    result = ok(run([sys.executable, "-c", code], env=env, cwd=ROOT))
+    assert result.stdout.split() == [str(last), "job-7", "1"], result.stdout
+
+
+@pytest.mark.parametrize("saved", ["momentum 0", "some buffers"])
+def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_checkpoint_has_none(saved):
+    # A checkpoint saved with --momentum 0 has no momentum buffers, and one whose model had parameters that got no
+    # gradient has some only. Resumed with momentum, fused SGD would make the missing ones with empty_like at its
+    # first step (garbage, kept when the GradScaler skips that step), or, with some there, raise. Loaded as
+    # train_ddp.py's restore_training_state loads it, every parameter has a buffer in its layout: the
+    # checkpoint's where it had one, zeros where not.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    model = model.to(memory_format=torch.channels_last)
+    # Saved by an earlier version, which left the buffers to SGD (today's start with all of them).
+    before = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if saved == "momentum 0" else 0.9)
+    trained = model if saved == "momentum 0" else model[0]  # the rest gets no gradient, and no buffer
+    trained(torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)).square().sum().backward()
+    before.step()
+    checkpoint = before.state_dict()
+    had = {i for i, state in checkpoint["state"].items() if state.get("momentum_buffer") is not None}
+    assert len(had) == (0 if saved == "momentum 0" else 2), checkpoint["state"]
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard.start_momentum_at_zero(optimizer)
+    settings = train_ddp.optimizer_settings(optimizer)
+    optimizer.load_state_dict(checkpoint)
+    train_ddp.restore_optimizer_settings(optimizer, settings)
+    for i, p in enumerate(model.parameters()):
+        buffer = optimizer.state[p].get("momentum_buffer")
+        assert buffer is not None and buffer.stride() == p.stride(), i
+        want = checkpoint["state"][i]["momentum_buffer"] if i in had else torch.zeros_like(p)
+        torch.testing.assert_close(buffer, want, rtol=0, atol=0, msg=str(i))
