@@ -1,12 +1,7 @@
-"""What keeps a train_ddp.py run safe, out of its story: argument and file checks, the one-line
-failures, the ranks' agreement to stop (a SIGTERM, an unreadable image), resume bookkeeping (run
-ids, the rest of a shard, the learning rate placed by images), the atomic checkpoint writer, NCCL's
-settings, the log lines, precise batch norm, and batch norm synced on CPUs.
-
-Copy it beside train_ddp.py and gather_utils.py and keep it as it is; train_ddp.py calls it as
-guard.NAME. The checks and the resume bookkeeping need no process group (the tests call them in one
-process); what runs in the group reads its rank and size, and what gathers or reduces says that
-every rank must call it.
+"""The checks and safety nets of train_ddp.py, which a reader of its story can skip: argument and
+file checks, one-line failures, the ranks' agreement to stop and an elastic node's leave, NCCL's
+settings, the atomic checkpoint writer, and batch norm synced over CPUs. Copy it beside
+train_ddp.py and gather_utils.py. What gathers or reduces says so: every rank must call it.
 """
 import datetime
 import hashlib
@@ -31,37 +26,33 @@ from torchvision.transforms import v2
 
 import gather_utils
 
-# How long a rank that another's SIGTERM stopped waits for its own (leave_as_the_elastic_agent_
-# expects): torchrun's agent polls its workers and the waiting nodes every 0.1 s (5 s on torch 2.3).
+# How long a rank that another's SIGTERM stopped waits for its own: torchrun's agent polls its
+# workers and the nodes waiting to join every 0.1 s (every 5 s on torch 2.3).
 ELASTIC_WAIT = 10
 # What the old ProcessGroupNCCL writes when it fails, beneath every prefix of torchrun's store
-# (ProcessGroupNCCL.hpp: kStoreDumpKey; torch 2.3 named it timeout_dump). torch 2.15's
-# ProcessGroupNCCL2 writes none.
+# (ProcessGroupNCCL.hpp: kStoreDumpKey; timeout_dump on torch 2.3). ProcessGroupNCCL2 writes none.
 NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
-# The first words of what torch 2.15's ProcessGroupNCCL2 raises at the next collective once a rank
-# is gone: a RuntimeError, not the old class's DistBackendError (nccl2/ProcessGroupNCCLUtils.cpp,
-# checkAndAbortIfTimedOutOrError).
+# How ProcessGroupNCCL2 (torch 2.15) fails the next collective once a rank is gone: a RuntimeError
+# with these first words (nccl2/ProcessGroupNCCLUtils.cpp, checkAndAbortIfTimedOutOrError).
 NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communicator was aborted")
 
 
 # ------------------------------------------------------------------------- one-line failures
 def say(line):
-    """A line on stderr in one write, which other ranks' lines on the same stream cannot split."""
+    """A line on stderr in one write, which other ranks' lines cannot split."""
     sys.stderr.write(f"train_ddp.py: {line}\n")
 
 
 def fail(message, code=2):
-    """Bad input (exit 2), or a verdict on values all ranks gathered (1): each machine's first
-    process says it."""
+    """Bad input (exit 2), or a verdict on what all ranks gathered (1): said once per machine."""
     if env_local_rank() == 0:
         say(f"error: {message}")
     sys.exit(code)
 
 
 def rank_error(message, code=1, at_once=False):
-    """An error of this rank's own, which the others may not see: each rank says it, one line.
-    at_once: exit without Python's clean-up, which a broken process group can block
-    (collective_failed)."""
+    """An error of this rank's own, which the others may not see: each rank says it. at_once: exit
+    without Python's clean-up, which a broken process group can block (collective_failed)."""
     say(f"error: rank {world_from_env()[0]}: {message}")
     if at_once:
         sys.stdout.flush()
@@ -79,6 +70,15 @@ def env_local_rank():
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
 
+def local_world_size():
+    """The processes on this machine: torchrun's count, else the most srun tasks on a node
+    ("8(x2),4"), else 1."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    tasks = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(",")
+    return max(int(count.split("(")[0]) for count in tasks)
+
+
 def world_from_env():
     """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID),
     else one process."""
@@ -89,10 +89,38 @@ def world_from_env():
     return 0, 1
 
 
+def stop_on_problems(problem):
+    """Gathers every rank's problem (or None). If any has one, each rank that has it says so, rank
+    0 says who, and all exit 1 together, instead of leaving the others in their next collective."""
+    problems = gather_utils.all_gather_object(problem)
+    failed = [rank for rank, problem in enumerate(problems) if problem]
+    if problem:
+        rank_error(problem)
+    if failed:
+        if dist.get_rank() == 0:
+            say(f"error: rank 0: stopping: rank {', '.join(map(str, failed))} failed (see above)")
+        sys.exit(1)
+
+
+def load_file(path, flag, what):
+    """What torch.save wrote at `path`, read on the CPU, tensors and plain values only; else one
+    line and exit 2."""
+    if not Path(path).is_file():
+        fail(f"{flag} {path}: no such file; expected a {what}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"{flag} {path}: not a readable {what} ({type(e).__name__}: {first_line(e)})")
+
+
+def last_checkpoint(args):
+    return Path(args.checkpoint_dir) / "last.pt"
+
+
 # -------------------------------------------------------------------- arguments and files
 def settle_args(args, device_defaults):
-    """The arguments completed: --weights' recipe sizes (the sizes its weights were published with),
-    else this device's defaults; validation's resize; the backend. Then checked."""
+    """The arguments completed, then checked: --weights' recipe sizes (those its weights were
+    published with), else this device's defaults; validation's resize; the backend."""
     args.image_size_given = args.image_size is not None
     weights = named_weights(args)
     if weights and args.image_size is None:
@@ -129,12 +157,11 @@ def check_args(args):
     check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
-    # torchrun and launch.sh's dry run say how many processes share this machine; torch's count
-    # of GPUs heeds MIG and masks.
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
-        fail(f"{local_world_size} processes on this machine but only {torch.cuda.device_count()} "
-             "GPUs are visible; start at most one process per GPU")
+    # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
+    gpus, processes = torch.cuda.device_count(), local_world_size()
+    if gpus and "LOCAL_WORLD_SIZE" in os.environ and processes > gpus:
+        fail(f"{processes} processes on this machine but only {gpus} GPUs are visible; start at "
+             "most one process per GPU")
     if args.evaluate and not (args.resume or args.weights):
         fail("--evaluate needs --resume PATH or --weights: the model to validate")
     if args.resume and args.weights:
@@ -178,7 +205,7 @@ def check_arch_trains(arch, image_size, training):
 
 
 def check_writable(directory, flag):
-    """Fail now rather than after an epoch of training, at the first save."""
+    """Fail now rather than at the first save, after an epoch of training."""
     existing = next(d for d in [directory, *directory.parents] if d.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         fail(f"{flag}: cannot write under {existing}; expected a writable directory")
@@ -189,18 +216,14 @@ def check_shared_memory(args):
     them mid-epoch."""
     if args.workers == 0 or not os.path.isdir("/dev/shm"):
         return
-    # This machine's processes: torchrun's count, else the most srun tasks on a node ("8(x2),4").
-    srun_tasks = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(",")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(
-        int(tasks.split("(")[0]) for tasks in srun_tasks)
     shm = os.statvfs("/dev/shm")
     free_mb = shm.f_bavail * shm.f_frsize / 2**20
     batch_mb = args.batch_size * 3 * args.image_size**2 / 2**20  # uint8 images
     # Each worker prefetches 2 batches (DataLoader's default); the process holds a step's batches.
     batches = 2 * args.workers + args.accum_steps
-    need_mb = local_world_size * batches * batch_mb
+    need_mb = local_world_size() * batches * batch_mb
     if need_mb > free_mb:
-        fail(f"--workers {args.workers}: {local_world_size} process(es) x {batches} batches of "
+        fail(f"--workers {args.workers}: {local_world_size()} process(es) x {batches} batches of "
              f"{batch_mb:.0f} MB need {need_mb:.0f} MB of /dev/shm, which has {free_mb:.0f} MB "
              "free; expected fewer --workers, a smaller --batch-size, or a larger /dev/shm "
              "(docker run --shm-size=8g)")
@@ -244,10 +267,7 @@ def named_weights(args):
 
 
 def read_weights_file(path):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--weights {path}: not a readable state dict ({type(e).__name__}: {first_line(e)})")
+    state = load_file(path, "--weights", "state dict")
     return state["model"] if isinstance(state, dict) and "model" in state else state  # a last.pt's
 
 
@@ -259,9 +279,8 @@ def weights_for(model, args):
 
 
 def fit_weights(state, model, args):
-    """--weights' state dict, for `model`: every key, of the same shape, but the classifier's, which
-    may be for another number of classes: then the model keeps its new one. Returns the state to
-    load, and the layers left new."""
+    """--weights' state dict for `model`, and the layers left new: every key must be there, of the
+    same shape, but the classifier's, which may be for another number of classes."""
     own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
     # num_batches_tracked: weights saved before torch 0.4.1 lack it.
     missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}
@@ -278,9 +297,8 @@ def fit_weights(state, model, args):
 
 
 def fetch_weights(args):
-    """The torchvision weights --weights names, if it names them, into torch's hub cache
-    ($TORCH_HOME): downloaded once per machine by its first process while the others wait in the
-    gather; then every rank loads them from there. Gathers: every rank must call it."""
+    """The torchvision weights --weights names, if it names them, into torch's hub cache: each
+    machine's first process downloads them while the others wait. Gathers."""
     weights = named_weights(args)
     if weights is None:
         return
@@ -294,7 +312,7 @@ def fetch_weights(args):
             problem = (f"--weights {weights}: could not download {weights.url} "
                        f"({type(e).__name__}: {e}); without a network, place that file at {path}, "
                        "or pass --weights PATH to a state dict")
-    stop_on_problems(gather_utils.all_gather_object(problem))
+    stop_on_problems(problem)
 
 
 # --------------------------------------------------------------------------------- images
@@ -319,18 +337,16 @@ def read_image(path):
 
 
 def unreadable(error):
-    """The line for an UnreadableImage, also one a DataLoader worker raised (its text ends with
-    ours)."""
+    """The line for an UnreadableImage, also one a DataLoader worker raised (its text ends so)."""
     path = str(error).rsplit("UnreadableImage: ", 1)[-1].strip()
     return f"cannot read {path}; remove or replace that file"
 
 
 # ----------------------------------------------------------------- the device, the process group
 def gpu_index(local_rank):
-    """The GPU this process takes: its local rank's, or the only one an srun task with one GPU per
-    task sees, whatever its local rank."""
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.device_count() == 1 and local_world_size == 1:
+    """The GPU this process takes: its local rank's, or the only one it sees (an srun task bound to
+    a GPU; check_args refused more torchrun processes than GPUs)."""
+    if torch.cuda.device_count() == 1:
         return 0
     if local_rank >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
         rank_error(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are "
@@ -339,19 +355,16 @@ def gpu_index(local_rank):
 
 
 def raise_nccl_timeouts(args):
-    """On NCCL, a collective past --collective-timeout: torch's watchdog logs it, dumps each rank's
-    flight recorder beside the checkpoints and aborts NCCL, so that the next collective raises for
-    collective_failed()'s one line (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, "clean up only"). torchrun
-    passes 1 unless it was set ("tear down": the watchdog kills the process, and no line comes):
-    1 becomes 2, which ends the job as surely; 0 and 3 are kept (docs/troubleshooting.md)."""
+    """On NCCL, a collective past --collective-timeout makes the watchdog dump each rank's flight
+    recorder beside the checkpoints and abort NCCL, so that the next collective raises for
+    collective_failed()'s one line: TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not torchrun's 1, whose
+    watchdog kills the process without a line. A value the user set is kept."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-    # The flight recorder's dump, beside the checkpoints. From torch 2.11 it records and dumps by
-    # default, and warns of its old variables' names; 2.3 needs all three, under those names.
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
-    settings = {"TORCH_FR_DUMP_TEMP_FILE": trace}
-    if TorchVersion(torch.__version__) < (2, 11):
+    settings = {"TORCH_FR_DUMP_TEMP_FILE": trace}  # from torch 2.11 it records and dumps by default
+    if TorchVersion(torch.__version__) < (2, 11):  # which warns of these names
         settings = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
     for name, value in settings.items():
@@ -365,12 +378,10 @@ def check_master_env():
 
 
 def store_of_this_attempt(store):
-    """torchrun's own store outlives a restart (MAX_RESTARTS) with the last attempt's keys: without
-    a prefix per attempt the group hangs. The old ProcessGroupNCCL writes its dump signal beneath
-    every prefix (its globalStore_): a failed attempt's would make the next one's heartbeat monitor
-    dump and abort it, so it goes first.
-    launch.sh's elastic job gets a new store each round, and a node that joins counts no restarts:
-    there, the store as it is."""
+    """torchrun's store outlives a restart (MAX_RESTARTS) with the last attempt's keys, which would
+    hang the group: a prefix per attempt. The old ProcessGroupNCCL's failure signal lies beneath
+    every prefix, where it would make the next attempt dump and abort: deleted first. launch.sh's
+    elastic job gets a new store each round: there, the store as it is."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return store
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
@@ -399,23 +410,17 @@ def init_failure(error, args, world_size):
 
 
 def set_collective_timeout(seconds):
-    # dist.set_timeout is newer than torch 2.11; 2.3 to 2.11 have it under a private name.
+    # torch before 2.12 has dist.set_timeout under a private name only.
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     set_timeout(datetime.timedelta(seconds=seconds))
 
 
 def collective_failed(error, args):
-    """A collective that failed because a rank is gone (gloo's connections closed or timed out,
-    NCCL's error): one line from each rank, naming its flight recorder's dump on NCCL, and exit 1
-    at once. Any other error is raised as it is.
-
-    At once: the group is broken, and destroying it can block. After a dump, the old
-    ProcessGroupNCCL's heartbeat monitor sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) before it
-    ends the process, and the group's destructor joins that thread (ProcessGroupNCCL.cpp:
-    HeartbeatMonitor::runLoop, ~ProcessGroupNCCL); ProcessGroupNCCL2's shutdown waits for each
-    pending collective to end or time out (WorkNCCLQueue::finalize). Nothing is left to save (the
-    checkpoint writer finished when the error left train_or_evaluate), the watchdog already aborted
-    the communicators, and the driver frees what the process held when it exits."""
+    """A collective failed because a rank is gone (gloo's connections closed or timed out, NCCL's
+    error): one line from each rank, naming its flight recorder's dump on NCCL, and exit 1 at once,
+    for destroying the broken group can block (the old ProcessGroupNCCL's destructor joins a
+    heartbeat monitor asleep for 480 s; ProcessGroupNCCL2 waits for pending collectives). Nothing
+    is left to save: the checkpoint writer finished first. Any other error is raised as it is."""
     gone = isinstance(error, dist.DistBackendError) or first_line(error).startswith(NCCL2_FAILURES)
     if not gone and "gloo/transport" not in str(error):
         raise error
@@ -423,7 +428,7 @@ def collective_failed(error, args):
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
     trace = Path(dump + str(dist.get_rank()))
     recorded = f"; its last collectives: {trace}"
-    if shutil.which("torchfrtrace"):  # torch 2.3 has no such tool
+    if shutil.which("torchfrtrace"):
         recorded += f" (every rank's: torchfrtrace {trace.parent})"
     rank_error(f"a collective failed: another rank stopped, or stopped answering for "
                f"--collective-timeout {args.collective_timeout:g} s; look for its own error "
@@ -432,7 +437,7 @@ def collective_failed(error, args):
 
 def check_same_start(checkpoint):
     """Every rank must resume from the same checkpoint (nodes with disks of their own may not), or
-    the ranks hang. Gathers: every rank must call it."""
+    the ranks hang. Gathers."""
     start = "a fresh start"
     if checkpoint is not None:
         weights = hashlib.blake2b(digest_size=6)
@@ -450,30 +455,53 @@ def check_same_start(checkpoint):
              "same --resume file, and a --checkpoint-dir they all see (a shared filesystem)")
 
 
+def check_finite_loss(loss, run, args):
+    """A loss averaged over ranks, so that every rank stops here together when it is not finite."""
+    if not math.isfinite(loss):
+        fail(f"the loss is {loss} at epoch {run.epoch + 1} step {run.step}: training diverged; "
+             f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is "
+             "unchanged", code=1)
+
+
+def replica_checksums(run, args):
+    """Each rank's parameter checksum, which DDP keeps equal: a difference (a broken sync), or nan,
+    stops every rank. Gathers."""
+    checksum = sum(p.detach().double().sum() * (i + 1)
+                   for i, p in enumerate(run.model.parameters())).item()
+    checksums = gather_utils.all_gather_object(checksum)
+    if not all(map(math.isfinite, checksums)):
+        fail(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} "
+             f"(checksums per rank: {checksums}): training diverged; lower --lr or check the "
+             f"data; {last_checkpoint(args)} is unchanged", 1)
+    if len(set(checksums)) != 1:
+        fail(f"the model replicas diverged (parameter checksums per rank: {checksums}); "
+             "expected equal ones", 1)
+    return checksums
+
+
 # ------------------------------------------------------------------------- stopping together
 class StopAgreement:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before
     every optimizer step, and after each validation but the last, the ranks agree, so that one
-    rank's SIGTERM, or an image it cannot read, stops all at the same point: an all-reduce of two
-    flags on the CPU backend, which never waits for the GPU."""
+    rank's SIGTERM, or an image it cannot read, stops all at the same point: an all-reduce of
+    three flags on the CPU backend, which never waits for the GPU."""
 
     def __init__(self):
         self.requested = False  # set by the handler, which Python runs in the main thread
         self.stopped = False  # the ranks agreed to stop for a SIGTERM, this rank's or another's
-        signal.signal(signal.SIGTERM, self.note)
         self.ending = False  # the SIGTERM came to the node that hosts an elastic job's rendezvous
         self.flags, self.sent, self.problem = torch.zeros(3, dtype=torch.int32), None, None
+        signal.signal(signal.SIGTERM, self.note)
 
     def note(self, signum, frame):
         self.requested = True
-        # Ignored from now: a second one (SLURM and launch.sh may send several) cannot kill the
-        # process as it exits.
+        # A second SIGTERM (SLURM and launch.sh may send several) cannot kill the process as it
+        # exits.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def send(self, problem=None):
-        """Start this rank's flags on their way: a SIGTERM noted so far, whether it has a `problem`,
-        and whether its SIGTERM ends an elastic job (launch.sh's RDZV_HOST=1: the job cannot go on
-        without the rendezvous that its node hosts)."""
+        """Start this rank's flags on their way: a SIGTERM noted so far, a `problem`, and whether
+        its SIGTERM ends an elastic job (launch.sh's RDZV_HOST=1: no job without its rendezvous)."""
         self.problem = problem
         self.flags[0].fill_(self.requested)
         self.flags[1].fill_(problem is not None)
@@ -489,20 +517,17 @@ class StopAgreement:
         self.sent = None
         sigterm, problems, ending = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
         if problems:
-            stop_on_problems(gather_utils.all_gather_object(self.problem))
+            stop_on_problems(self.problem)
         self.stopped, self.ending = bool(sigterm), bool(ending)
         return self.stopped
 
     def leave_as_the_elastic_agent_expects(self, args):
-        """After the group's end. In an elastic job (NNODES=MIN:MAX), a rank that another rank's
-        SIGTERM stopped waits up to ELASTIC_WAIT s for its own: torchrun's agent sends it one when
-        a node joins, and restarts the group at the larger size. If none comes, a node is leaving
-        (its launch.sh took a SIGTERM: a spot notice): exit 1, so that the agent restarts the group
-        without it (one of MAX_RESTARTS). An exit 0 would end the job: the agent takes workers that
-        all succeeded for the job's end, closes the rendezvous, and the other agents stop too
-        (torch/distributed/elastic/agent/server/api.py, _invoke_run: SUCCEEDED is checked before
-        the nodes waiting to join). If the node that hosts the rendezvous got it, every node exits
-        0: the job ends, saved."""
+        """After the group's end, in an elastic job (NNODES=MIN:MAX): a rank that another rank's
+        SIGTERM stopped waits up to ELASTIC_WAIT s for its own, which torchrun's agent sends when a
+        node joins, to restart at the larger size. If none comes, a node left (a spot notice):
+        exit 1, for the agent to restart without it. An exit 0 would end the job (the agent checks
+        for success before it looks for waiting nodes: api.py, _invoke_run). If the node that
+        hosts the rendezvous left, the job ends, saved: exit 0."""
         if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
             return
         if self.ending:
@@ -521,67 +546,6 @@ class StopAgreement:
                     f"{ELASTIC_WAIT} s): exit 1, for torchrun to go on without it from last.pt "
                     "(one of MAX_RESTARTS)")
             sys.exit(1)
-
-
-def stop_on_problems(problems):
-    """Every rank's problem (or None), as every rank gathered them. If any has one, each rank that
-    has it says so, rank 0 says who, and all exit 1 together, instead of leaving the others waiting
-    in their next collective."""
-    failed = [rank for rank, problem in enumerate(problems) if problem]
-    if problems[dist.get_rank()]:
-        rank_error(problems[dist.get_rank()])
-    if failed:
-        if dist.get_rank() == 0:
-            say(f"error: rank 0: stopping: rank {', '.join(map(str, failed))} failed (see above)")
-        sys.exit(1)
-
-
-def check_finite_loss(loss, run, args):
-    """A loss averaged over ranks, so every rank stops here together when it is not finite."""
-    if not math.isfinite(loss):
-        fail(f"the loss is {loss} at epoch {run.epoch + 1} step {run.step}: training diverged; "
-             f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is "
-             "unchanged", code=1)
-
-
-def replica_checksums(run, args):
-    """Each rank's parameter checksum, which DDP keeps equal: a difference (a broken sync), or nan,
-    stops every rank. Gathers: every rank must call it."""
-    checksum = sum(p.detach().double().sum() * (i + 1)
-                   for i, p in enumerate(run.model.parameters())).item()
-    checksums = gather_utils.all_gather_object(checksum)
-    if not all(map(math.isfinite, checksums)):
-        fail(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} "
-             f"(checksums per rank: {checksums}): training diverged; lower --lr or check the "
-             f"data; {last_checkpoint(args)} is unchanged", 1)
-    if len(set(checksums)) != 1:
-        fail(f"the model replicas diverged (parameter checksums per rank: {checksums}); "
-             "expected equal ones", 1)
-    return checksums
-
-
-# ---------------------------------------------------------------------------- the log lines
-# ------------------------------------------------------------------- resume bookkeeping
-def last_checkpoint(args):
-    return Path(args.checkpoint_dir) / "last.pt"
-
-
-def start_momentum_at_zero(optimizer):
-    """Every momentum buffer in its parameter's layout (see restore_optimizer_settings), and zeros
-    for each parameter of a group with momentum that has none: at the start (build_optimizer), and
-    after a checkpoint's state, which may hold none (saved with --momentum 0) or some (parameters
-    that got no gradient). torch's fused SGD makes missing ones with empty_like at its first step
-    if all are missing, and keeps them so when the GradScaler skips that step for an overflow
-    (torch/optim/sgd.py, _fused_sgd), as an fp16 run's first steps do: garbage momentum from then
-    on; if some are missing, it raises. With dampening 0, a zero buffer makes the next step's
-    update the same as no buffer."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            buffer = optimizer.state[p].get("momentum_buffer")
-            if buffer is not None:
-                optimizer.state[p]["momentum_buffer"] = torch.empty_like(p).copy_(buffer)
-            elif group["momentum"]:
-                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
 # ------------------------------------------------------------------------ checkpoint writes
@@ -608,9 +572,8 @@ class CheckpointWriter:
 
 
 def on_host(value):
-    """A copy in host memory of the tensors in nested dicts and lists, which training goes on
-    changing in place. A state dict keeps its _metadata: the modules' versions, which
-    load_state_dict passes to each module's _load_from_state_dict."""
+    """A host copy of the tensors in nested dicts and lists, which training goes on changing. A
+    state dict keeps its _metadata: the module versions that load_state_dict passes on."""
     if isinstance(value, dict):
         copy = type(value)((key, on_host(item)) for key, item in value.items())
         if hasattr(value, "_metadata"):
@@ -638,6 +601,22 @@ def write_atomically(state, path):
         os._exit(1)
 
 
+def start_momentum_at_zero(optimizer):
+    """Every momentum buffer in its parameter's memory layout, which the fused kernels need, and
+    zeros where a group with momentum has none: at the start, and after a checkpoint's state,
+    which may hold none (--momentum 0) or some (parameters that got no gradient). Fused SGD would
+    make missing ones with empty_like and keep them when the GradScaler skips an overflowed first
+    step (torch/optim/sgd.py, _fused_sgd), or raise if only some are missing. With dampening 0, a
+    zero buffer gives the next step the update of no buffer."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            buffer = optimizer.state[p].get("momentum_buffer")
+            if buffer is not None:
+                optimizer.state[p]["momentum_buffer"] = torch.empty_like(p).copy_(buffer)
+            elif group["momentum"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
 # ----------------------------------------------------------------------- hooks and batch norm
 def powersgd_hook_for_gloo_too(state, bucket):
     """torch's PowerSGD hook, which chains two all-reduces per bucket through callbacks. Gloo
@@ -650,10 +629,10 @@ def powersgd_hook_for_gloo_too(state, bucket):
 
 
 class SumOverRanks(torch.autograd.Function):
-    """A differentiable all-reduce: the sum of every rank's tensor, on every rank. Each rank's
-    output feeds that rank's loss, so the gradient of each input is the sum of all outputs'
-    gradients: an all-reduce again. (torch.distributed.nn's all_reduce does this too, but is
-    deprecated, and raises under torch.compile, where each call broke the graph.)"""
+    """A differentiable all-reduce: every rank's output feeds its own loss, so each input's
+    gradient is the sum of the outputs' gradients, an all-reduce again. One collective per call,
+    where gather_utils' differentiable gathers take two and world-size times the bytes; and
+    torch.distributed.nn's all_reduce is deprecated, and breaks torch.compile's graph."""
 
     @staticmethod
     def forward(ctx, tensor):
@@ -661,13 +640,12 @@ class SumOverRanks(torch.autograd.Function):
         dist.all_reduce(total)
         return total
 
-    backward = forward  # the gradients' sum over ranks, as the docstring says
+    backward = forward
 
 
 class CPUSyncBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over all ranks on CPUs (gloo), where nn.SyncBatchNorm does not
-    run, for torchvision's affine BatchNorm2d layers. The sums travel through a differentiable
-    all-reduce: the backward is synchronized too."""
+    run, for torchvision's affine BatchNorm2d layers; the backward is synchronized too."""
 
     def forward(self, x):
         if not self.training:

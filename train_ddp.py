@@ -5,15 +5,13 @@
     python train_ddp.py                                     # one process, no launcher
 
 Without --data it trains on synthetic images made in memory. main() is the table of contents;
-guard.py, beside it, keeps the run safe (docs/training.md).
+guard.py beside it holds the checks and the safety nets a reader can skip (docs/training.md).
 """
 import signal
 
-if __name__ == "__main__":
-    # A SIGTERM (SLURM, Kubernetes) during the imports waits, blocked, until main() can stop at the
-    # first step. Its action is the default, not the ignore that launch.sh's torchrun passes on.
+if __name__ == "__main__":  # a SIGTERM during the slow imports waits for main() to note it
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the ignore that torchrun may pass on
 
 import argparse
 import datetime
@@ -54,9 +52,10 @@ ARCHS = torchvision.models.list_models(module=torchvision.models)
 # ambiguous, the class shows only over many pixels: accuracy climbs for epochs and stays below 100%.
 SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # torchvision's weights'
-BN_IMAGES = 1024  # recalibrate_batch_norm's images over all ranks (at most the train set)
-CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "step", "world_size", "args", "rng"}
 SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-resized crops of 8%
+BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
+CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
+                   "rng"}
 
 
 def main(argv=None):
@@ -65,7 +64,7 @@ def main(argv=None):
     resume_from, checkpoint = load_checkpoint(args)  # --resume, or this job's last.pt
     if args.dry_run:
         return
-    # Noted from here on: a SIGTERM during the set-up, or held since start-up, stops at step one.
+    # SIGTERMs are noted from here on: one during the set-up, or held since, stops at step one.
     stop = None if args.evaluate else guard.StopAgreement()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)  # 2. device
@@ -142,8 +141,8 @@ def process_group(args, device):
         # A compiled model leaves reference cycles that hold the group past its end: freed at
         # Python's exit instead, the group's threads would abort it (docs/troubleshooting.md).
         gc.collect()
-        # Before torch 2.14 a rank could hang at exit without works that outlive the group
-        # (docs/testing.md): a barrier, and on GPUs an all-reduce on gloo's side of the group.
+        # Every rank reaches the end on each backend of the group (on GPUs, NCCL's barrier and
+        # gloo's all-reduce) before any destroys it: one that destroys it early can hang another.
         finished = [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]
         for work in finished:
             work.wait()
@@ -193,12 +192,13 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         return log(json.dumps(metrics))
     model = wrap_ddp(model, args, device, warmup_steps=round(args.warmup_epochs * steps))
     optimizer, scaler = build_optimizer(model, args)
-    run = Training(model, optimizer, scaler, steps_per_epoch=steps)
+    global_batch = args.batch_size * args.accum_steps * dist.get_world_size()
+    run = Training(model, optimizer, scaler, steps_per_epoch=steps, images_per_step=global_batch)
     if checkpoint:
         restore_training_state(checkpoint, run)
-        log(resume_line(resume_from, checkpoint, args, run))
+        log_resume(resume_from, checkpoint, args, run)
         checkpoint.clear()  # the model and optimizer have what they need: free the rest
-    log(start_line(args, device, train_set, val_set, steps, new_layers))
+    log_start(args, device, train_set, val_set, run, new_layers)
     with run.writer:  # its end waits for the last checkpoint write, also on an error
         fit(run, train_set, val_set, args, to_input, stop)
 
@@ -315,6 +315,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # disabled unless --amp fp16
     steps_per_epoch: int  # at this world size and batch
+    images_per_step: int  # the global batch: --batch-size x --accum-steps x world size
     epoch: int = 0  # where training stands: in epoch `epoch` (0-based), after the first
     samples: int = 0  # `samples` images of its order (over all ranks, at any world size and batch),
     step: int = 0  # which is after `step` optimizer steps at this world size and batch
@@ -329,16 +330,15 @@ def fit(run, train_set, val_set, args, to_input, stop):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Workers seeded by a generator of their own, not from the RNG that a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        shard, run.step = remaining_shard(sampler, run, args)  # a resume goes on mid-epoch
+        shard, run.step = rest_of_epoch(sampler, run, args)  # all of it, unless resumed mid-epoch
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
                             drop_last=True, generator=torch.Generator().manual_seed(worker_seed))
         train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)
         if stopped:
             save_checkpoint(run, args)
-            return log(stop_line(run, args, mid_epoch=True))
+            return log_stop(args, f"at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}")
         run.epoch, run.samples, run.step = epoch + 1, 0, 0
-        # Precise batch norm: statistics for the weights as they are, the same on every rank.
         recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
         # Saved before validating: a SIGTERM or a kill during validation loses no training.
         checksums = save_checkpoint(run, args)
@@ -346,21 +346,36 @@ def fit(run, train_set, val_set, args, to_input, stop):
         record = {"epoch": epoch + 1, **train_stats, **metrics, "replica_checksums": checksums,
                   "epoch_seconds": time.perf_counter() - epoch_start}
         append_metrics(args, record)
-        log(epoch_line(record, args))
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss {record['train_loss']:.4f} "
+            f"val_loss {metrics['val_loss']:.4f} val_acc1 {metrics['val_acc1']:.2f}% "
+            f"val_acc5 {metrics['val_acc5']:.2f}% ({metrics['val_samples']} images) "
+            f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} "
+            f"{record['epoch_seconds']:.1f} s")
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
-            return log(stop_line(run, args, mid_epoch=False))
+            return log_stop(args, f"after epoch {epoch + 1}")
+
+
+def rest_of_epoch(sampler, run, args):
+    """This rank's indices for the rest of the epoch, in whole steps, as many on every rank, and
+    the step they start after. DistributedSampler deals the epoch's one order out in turn (rank r:
+    entries r, r + world, ...), so the run.samples trained before, at any world size and batch,
+    are its first ones: each rank skips its share (docs/checkpoints.md)."""
+    world, rank = sampler.num_replicas, sampler.rank
+    per_rank_step = args.batch_size * args.accum_steps
+    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
+    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_rank_step  # rank 0's
+    return list(sampler)[skip: skip + steps_left * per_rank_step], run.steps_per_epoch - steps_left
 
 
 def train_one_epoch(run, loader, args, to_input, stop):
     """Train to the epoch's end, or until the ranks agree to stop: (the loss, data-wait share and
     images/s averaged over ranks, stopped). The host never waits for the GPU between log lines."""
-    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
     if run.step == run.steps_per_epoch:  # resumed at a larger step: less than one left
         return {"train_loss": math.nan, "data_wait": 0.0, "images_per_sec": 0.0}, False
     run.model.train()
     autocast = amp_context(args, to_input.device)
     batches, loss_sum = iter(loader), torch.zeros((), device=to_input.device)
-    clock = StepClock(run.step, to_input.device, images_per_step)
+    clock = StepClock(run.step, to_input.device, run.images_per_step)
     with clock.waiting():
         upcoming = next_step(batches, args, stop)
     while run.step < run.steps_per_epoch:
@@ -378,25 +393,21 @@ def train_one_epoch(run, loader, args, to_input, stop):
                 with autocast:
                     loss = F.cross_entropy(run.model(images), labels)
                 run.scaler.scale(loss / args.accum_steps).backward()
-            # Detached: reducing the live loss would put the collective into the autograd graph.
             step_loss += loss.detach() / args.accum_steps
-        lr = learning_rate(run, args, images_per_step)
+        lr = learning_rate(run, args)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
-        run.step, run.samples = run.step + 1, run.samples + images_per_step
+        run.step, run.samples = run.step + 1, run.samples + run.images_per_step
         loss_sum += step_loss
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
-            images_per_sec, data_share = clock.line(run.step)
-            mean = gather_utils.all_reduce_mean({"loss": step_loss, "data": data_share})
-            guard.check_finite_loss(mean["loss"], run, args)
-            log(step_line(run, args, mean, lr, images_per_sec))
+            log_step(run, args, step_loss, lr, clock)
         if args.save_every and run.step % args.save_every == 0 and run.step < run.steps_per_epoch:
             save_checkpoint(run, args)  # the epoch's end saves anyway
     stats = {"train_loss": loss_sum / (run.step - clock.first_step), **clock.epoch()}
-    return gather_utils.all_reduce_mean(stats), False
+    return mean_over_ranks(stats, to_input.device), False
 
 
 def next_step(batches, args, stop):
@@ -407,6 +418,17 @@ def next_step(batches, args, stop):
         micro_batches, problem = [], guard.unreadable(e)
     stop.send(problem)
     return micro_batches
+
+
+def learning_rate(run, args):
+    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at
+    --epochs. Placed by the images trained, not the steps: a resume at another world size or
+    batch goes on along the same curve."""
+    epochs_done = run.epoch + run.samples / (run.steps_per_epoch * run.images_per_step)
+    if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
+        return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
+    progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class ModelInput:
@@ -423,6 +445,24 @@ class ModelInput:
         images = images.to(self.device, non_blocking=True)
         images = images.contiguous(memory_format=self.memory_format).float()
         return images.sub_(self.mean).div_(self.std), labels.to(self.device, non_blocking=True)
+
+
+@torch.no_grad()
+def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
+    """Precise batch norm: statistics for the weights as they are, from each rank's share of
+    BN_IMAGES, averaged over ranks, so that every rank validates, and saves, one model."""
+    per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
+    batches = max(1, per_rank // args.batch_size)
+    loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
+                        sampler=list(sampler)[: batches * args.batch_size],
+                        num_workers=args.workers,
+                        generator=torch.Generator().manual_seed(args.seed))
+    with torch.random.fork_rng([to_input.device] if to_input.device.type == "cuda" else []):
+        update_bn((to_input(*batch)[0] for batch in loader), model)  # training's RNG untouched
+    for norm in model.modules():
+        if getattr(norm, "track_running_stats", False):
+            for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
+                dist.all_reduce(stats.div_(dist.get_world_size()))
 
 
 @torch.no_grad()
@@ -446,7 +486,7 @@ def validate(model, val_set, args, to_input):
             rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
     except guard.UnreadableImage as e:
         problem = guard.unreadable(e)
-    guard.stop_on_problems(gather_utils.all_gather_object(problem))  # all reach the next gather
+    guard.stop_on_problems(problem)  # all ranks reach the next gather, or all stop
     rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices), len(val_set))
     loss, acc1, acc5 = rows.mean(dim=0).tolist()
     return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5,
@@ -462,39 +502,64 @@ def memory_format(args):
     return torch.channels_last if args.channels_last else torch.contiguous_format
 
 
+# ---------------------------------------------------------------------------- 6. the log lines
 def log(message):
     if dist.get_rank() == 0:
         print(message, flush=True)
 
 
-def append_metrics(args, record):
-    if dist.get_rank() == 0 and args.metrics_file:
-        with open(args.metrics_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+def mean_over_ranks(figures, device):
+    """{name: its mean over ranks} of detached tensors and numbers, as numbers: one all_reduce.
+    Detached: reducing a live loss would put the collective into the autograd graph."""
+    values = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).detach()
+                          for value in figures.values()])
+    dist.all_reduce(values)
+    return dict(zip(figures, (values / dist.get_world_size()).tolist()))
 
 
-def remaining_shard(sampler, run, args):
-    """This rank's indices for the rest of the epoch, in whole optimizer steps, as many on every
-    rank, and the step they start after. DistributedSampler deals the epoch's one order out in turn
-    (rank r: entries r, r + world, ...), so the run.samples trained before, at any world size and
-    batch, are its first ones: each rank skips its share (docs/checkpoints.md)."""
-    world, rank = sampler.num_replicas, sampler.rank
-    per_step = args.batch_size * args.accum_steps
-    skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
-    # Rank 0's steps left: it skips the most.
-    steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_step
-    return list(sampler)[skip: skip + steps_left * per_step], run.steps_per_epoch - steps_left
+def log_step(run, args, step_loss, lr, clock):
+    """The step's line, from figures averaged over ranks; a loss that is not finite stops all."""
+    images_per_sec, data_share = clock.line(run.step)
+    mean = mean_over_ranks({"loss": step_loss, "data": data_share}, step_loss.device)
+    guard.check_finite_loss(mean["loss"], run, args)
+    total, done = args.epochs * run.steps_per_epoch, run.epoch * run.steps_per_epoch + run.step
+    eta = datetime.timedelta(seconds=round((total - done) * run.images_per_step / images_per_sec))
+    log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
+        f"({done}/{total}) loss {mean['loss']:.4f} lr {lr:.4g} {images_per_sec:.1f} img/s "
+        f"data {mean['data']:.0%} eta {eta}")
 
 
-def learning_rate(run, args, images_per_step):
-    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at
-    --epochs. Placed by the images trained, not the steps, so that a resume at another world size
-    or batch goes on along the same curve."""
-    epochs_done = run.epoch + run.samples / (run.steps_per_epoch * images_per_step)
-    if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
-        return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
-    progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
-    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
+def log_stop(args, where):
+    log(f"stopped by SIGTERM {where}; continue with --resume {guard.last_checkpoint(args)}")
+
+
+def log_start(args, device, train_set, val_set, run, new_layers):
+    start = ""
+    if args.weights:
+        start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "")
+    if args.compile:
+        start += ", compiled (the first step compiles, which takes a while)"
+    recipe = "synthetic data"
+    if args.data:
+        recipe = " > ".join(type(t).__name__ for t in train_set.transform.transforms)
+    world = dist.get_world_size()
+    log(f"{args.arch}{start} on {world} x {device.type} ({args.backend}), {len(train_set)} "
+        f"train / {len(val_set)} val images at {args.image_size} px, {recipe}, batch "
+        f"{args.batch_size} x {args.accum_steps} x {world}, {run.steps_per_epoch} steps per epoch")
+
+
+def log_resume(path, checkpoint, args, run):
+    """Where the run resumes, and what it changes: the batch over all ranks, the optimizer's."""
+    saved_args = checkpoint["args"]
+    saved = f"{saved_args['batch_size']} x {saved_args['accum_steps']} x {checkpoint['world_size']}"
+    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
+    changed = [] if now == saved else [f"batch {now} (was {saved}; {run.samples} images of the "
+                                       "epoch done)"]
+    changed += [f"--{name.replace('_', '-')} {getattr(args, name):g} (was {saved_args[name]:g})"
+                for name in ["lr", "momentum", "weight_decay"]
+                if getattr(args, name) != saved_args[name]]
+    settings = f"; with {', '.join(changed)}" if changed else ""
+    log(f"resumed from {path} at epoch {run.epoch + 1} step {checkpoint['step']}{settings}")
 
 
 def synced_clock(device):
@@ -535,89 +600,19 @@ class StepClock:
                 "images_per_sec": (last_step - timed_step) * self.images_per_step / (last - timed)}
 
 
-@torch.no_grad()
-def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
-    """Batch-norm statistics for the weights as they are (precise BN): each rank's share of
-    BN_IMAGES, averaged over ranks, so that all validate, and save, one model (docs/training.md).
-    Reduces: every rank must call it."""
-    per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
-    batches = max(1, per_rank // args.batch_size)
-    indices = list(sampler)[: batches * args.batch_size]
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=indices, drop_last=True,
-                        num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(args.seed))
-    cuda = [to_input.device] if to_input.device.type == "cuda" else []
-    with torch.random.fork_rng(cuda):  # training's random stream stays as it is
-        update_bn((to_input(*batch)[0] for batch in loader), model)  # a plain average
-    for norm in model.modules():
-        if getattr(norm, "track_running_stats", False):
-            for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
-                dist.all_reduce(stats.div_(dist.get_world_size()))
-
-
-def start_line(args, device, train_set, val_set, steps, new_layers):
-    start = ""
-    if args.weights:
-        start = f" from {args.weights}" + (f" (new {', '.join(new_layers)})" if new_layers else "")
-    if args.compile:
-        start += ", compiled (the first step compiles, which takes a while)"
-    recipe = "synthetic data"
-    if args.data:
-        recipe = " > ".join(type(t).__name__ for t in train_set.transform.transforms)
-    world = dist.get_world_size()
-    return (f"{args.arch}{start} on {world} x {device.type} ({args.backend}), {len(train_set)} "
-            f"train / {len(val_set)} val images at {args.image_size} px, {recipe}, batch "
-            f"{args.batch_size} x {args.accum_steps} x {world}, {steps} steps per epoch")
-
-
-def step_line(run, args, mean, lr, images_per_sec):
-    total = args.epochs * run.steps_per_epoch
-    done = run.epoch * run.steps_per_epoch + run.step
-    images_per_step = args.batch_size * args.accum_steps * dist.get_world_size()
-    eta = datetime.timedelta(seconds=round((total - done) * images_per_step / images_per_sec))
-    return (f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
-            f"({done}/{total}) loss {mean['loss']:.4f} lr {lr:.4g} {images_per_sec:.1f} img/s "
-            f"data {mean['data']:.0%} eta {eta}")
-
-
-def epoch_line(record, args):
-    return (f"epoch {record['epoch']}/{args.epochs} train_loss {record['train_loss']:.4f} "
-            f"val_loss {record['val_loss']:.4f} val_acc1 {record['val_acc1']:.2f}% "
-            f"val_acc5 {record['val_acc5']:.2f}% ({record['val_samples']} images) "
-            f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} "
-            f"{record['epoch_seconds']:.1f} s")
-
-
-def stop_line(run, args, mid_epoch):
-    """The last line of a run that a SIGTERM stopped: where, and how to go on from there."""
-    if mid_epoch:
-        where = f"at epoch {run.epoch + 1} step {run.step}/{run.steps_per_epoch}"
-    else:  # after an epoch's checkpoint and validation: run stands at the next epoch's start
-        where = f"after epoch {run.epoch}"
-    return f"stopped by SIGTERM {where}; continue with --resume {guard.last_checkpoint(args)}"
-
-
-def resume_line(path, checkpoint, args, run):
-    """What this run changes, and then trains with: the batch over all ranks, the optimizer's."""
-    saved_args = checkpoint["args"]
-    saved = f"{saved_args['batch_size']} x {saved_args['accum_steps']} x {checkpoint['world_size']}"
-    now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
-    changed = [] if now == saved else [f"batch {now} (was {saved}; {run.samples} images of the "
-                                       "epoch done)"]
-    changed += [f"--{guard.dashed(name)} {getattr(args, name):g} (was {saved_args[name]:g})"
-                for name in ["lr", "momentum", "weight_decay"]
-                if getattr(args, name) != saved_args[name]]
-    settings = f"; with {', '.join(changed)}" if changed else ""
-    return f"resumed from {path} at epoch {run.epoch + 1} step {checkpoint['step']}{settings}"
-
+def append_metrics(args, record):
+    if dist.get_rank() == 0 and args.metrics_file:
+        with open(args.metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 # ----------------------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
-    """Rank 0 hands the training state, with each rank's random stream, to its writer thread, which
-    writes last.pt while training goes on. Returns the replicas' checksums."""
+    """Rank 0 hands the training state, with each rank's random streams, to its writer thread,
+    which writes last.pt while training goes on. Returns the replicas' checksums."""
     checksums = guard.replica_checksums(run, args)
-    rng = gather_rng_states()  # every rank's, for each to go on with its own
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
     if dist.get_rank() == 0:
         state = {"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict(),
                  "scaler": run.scaler.state_dict(), "epoch": run.epoch, "samples": run.samples,
@@ -627,107 +622,60 @@ def save_checkpoint(run, args):
     return checksums
 
 
-def restore_training_state(checkpoint, run):
-    """The optimizer, scaler, random stream and place in the epoch; build_model loaded the model."""
-    settings = optimizer_settings(run.optimizer)  # this run's; the state has the old run's
-    run.optimizer.load_state_dict(checkpoint["optimizer"])
-    restore_optimizer_settings(run.optimizer, settings)  # and momentum in the params' layout
-    if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler's defaults
-        run.scaler.load_state_dict(checkpoint["scaler"])
-    restore_rng_state(checkpoint["rng"])
-    run.epoch, run.samples = checkpoint["epoch"], samples_done(checkpoint)
-
-
 def load_checkpoint(args):
-    """(path, checkpoint) to resume from, each file read once, on every rank; (None, None) for a
-    fresh start. A resume without --image-size goes on at the sizes its run started with."""
-    path, checkpoint = own_checkpoint(args)
+    """(path, checkpoint) to resume from, read once, on every rank: this job's own last.pt (after a
+    restart, or on a node that joins), else --resume; (None, None) for a fresh start. A resume
+    without --image-size goes on at the sizes its run started with."""
+    path, checkpoint = guard.last_checkpoint(args), None
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    # torchrun's default id, "none", is every job's: only a restart takes a last.pt of that id.
+    if path.exists() and not args.evaluate and (restarted or job not in (None, "none")):
+        checkpoint = guard.load_file(path, "--checkpoint-dir", "checkpoint")
+        run_id = checkpoint.get("run_id") if isinstance(checkpoint, dict) else None
+        if run_id != job:  # an earlier job's, left in the directory
+            if restarted and guard.world_from_env()[0] == 0:
+                guard.say(f"restart: ignoring {path}, written by another job (run id {run_id})")
+            checkpoint = None
     if checkpoint is None and args.resume:
-        path, checkpoint = Path(args.resume), read_checkpoint(Path(args.resume))
+        path = Path(args.resume)
+        checkpoint = guard.load_file(path, "--resume", "checkpoint")
     if checkpoint is None:
         return None, None
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
         guard.fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
-             f"{', '.join(sorted(CHECKPOINT_KEYS))})")
+                   f"{', '.join(sorted(CHECKPOINT_KEYS))})")
     if checkpoint["args"]["arch"] != args.arch:
         guard.fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
-             f"{args.arch}")
+                   f"{args.arch}")
     if not args.image_size_given:
         for name in ["image_size", "resize", "interpolation"]:
-            setattr(args, name, checkpoint["args"].get(name, getattr(args, name)))
+            setattr(args, name, checkpoint["args"][name])
     return path, checkpoint
 
 
-def own_checkpoint(args):
-    """(path, checkpoint) of the last.pt this torchrun job (its run id) has written, which a restart
-    (MAX_RESTARTS) goes on from, and a node that joins an elastic job (NNODES=MIN:MAX); else
-    (None, None)."""
-    last, job = guard.last_checkpoint(args), os.environ.get("TORCHELASTIC_RUN_ID")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    # torchrun's default id, "none", is every job's: only a restart takes a last.pt of that id.
-    if not last.exists() or args.evaluate or not (restarted or job not in (None, "none")):
-        return None, None
-    try:  # a last.pt that an earlier job left in the directory must not pass for this job's
-        checkpoint = torch.load(last, map_location="cpu", weights_only=True)
-        run_id = checkpoint.get("run_id")
-    except Exception:  # unreadable: not this job's, which writes atomically
-        run_id = None
-    if run_id == job:
-        return last, checkpoint
-    if restarted and guard.world_from_env()[0] == 0:
-        guard.say(f"restart: ignoring {last}, written by another job (run id {run_id})")
-    return None, None
+def restore_training_state(checkpoint, run):
+    """The optimizer, scaler, random streams and place in the epoch (the model: build_model)."""
+    restore_optimizer(run.optimizer, checkpoint["optimizer"])
+    if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler's defaults
+        run.scaler.load_state_dict(checkpoint["scaler"])
+    rng, rank = checkpoint["rng"], dist.get_rank()
+    if rank < len(rng):  # a rank the saving run lacked (a larger world) keeps its own seed's
+        torch.set_rng_state(rng[rank]["torch"])
+        if torch.cuda.is_available() and rng[rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(rng[rank]["cuda"])
+    run.epoch, run.samples = checkpoint["epoch"], checkpoint["samples"]
 
 
-def read_checkpoint(path):
-    """The file --resume names, else one line and exit 2."""
-    if not path.is_file():
-        guard.fail(f"--resume {path}: no such file; expected a last.pt written by train_ddp.py")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        guard.fail(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {guard.first_line(e)})")
-
-
-def samples_done(checkpoint):
-    """The images of its epoch a checkpoint had trained, over all ranks. Checkpoints before
-    2026-12-04 count the steps only, at the world size and batch that wrote them."""
-    saved = checkpoint["args"]
-    per_step = checkpoint["world_size"] * saved["batch_size"] * saved["accum_steps"]
-    return checkpoint.get("samples", checkpoint["step"] * per_step)
-
-
-def optimizer_settings(optimizer):
-    """Each param group's settings (lr, momentum, fused, ...), without its parameters."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
-def restore_optimizer_settings(optimizer, settings):
-    """After load_state_dict, which brings back the saving run's settings (fused among them, which a
-    CPU run cannot take from a GPU's) and its momentum buffers in its memory layout, if it had
-    them: this run's settings, and a buffer for every parameter of a group with momentum, in the
-    layout of that parameter (channels-last or not), which the fused kernels need (CUDA's refuses
-    another, the CPU's computes wrongly with it)."""
+def restore_optimizer(optimizer, state):
+    """The saved state with this run's settings (--lr, --momentum, fused: a CPU run cannot take a
+    GPU's), and momentum buffers in their parameters' memory layout."""
+    settings = [{k: v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
     guard.start_momentum_at_zero(optimizer)
-
-
-def gather_rng_states():
-    """Every rank's random streams, the CPU's and the GPU's, as every rank gathered them. Gathers:
-    every rank must call it."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
-
-
-def restore_rng_state(states):
-    """This rank's random streams from gather_rng_states(); a rank that the saving run lacked (a
-    larger world) keeps its own seed's."""
-    if dist.get_rank() < len(states):
-        torch.set_rng_state(states[dist.get_rank()]["torch"])
-        if torch.cuda.is_available() and states[dist.get_rank()]["cuda"] is not None:
-            torch.cuda.set_rng_state(states[dist.get_rank()]["cuda"])
-
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def test_an_elastic_job_that_loses_a_host_finishes_on_the_other(tmp_path, one_ho
         on.kill(1)
         assert job.wait(180)[0] == 0, job.report()
     *_, (epoch, step, world, images) = resumes(job.out(0))  # the last: host 1 may have joined late, at the start
-    # Lost: fewer than 3 steps of those done; the rest of the epoch at 1 rank, each image once (test_remaining_shard).
+    # Lost: fewer than 3 steps of those done; the rest of the epoch at 1 rank, each image once (test_resume.py).
     assert (epoch, world) == (2, 1) and step % 3 == 0 and step >= 6 and images == step * 16, job.report()
     assert f"epoch 2/2 step {2 * step + 4 - 2 * step % 4}/32 " in job.out(0)  # logged every 4 steps
     assert load(tmp_path / "ck" / "last.pt")["world_size"] == 1

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.quick]
 
 @pytest.mark.parametrize("before, after", [((2, 4, 1), (3, 2, 2)), ((4, 2, 1), (1, 8, 1)), ((3, 4, 1), (2, 3, 2)),
                                            ((3, 2, 2), (2, 4, 1))], ids=["2to3", "4to1", "3to2", "3to2-tail"])
-def test_remaining_shard_trains_each_image_of_the_epoch_once_at_another_world_size(before, after):
+def test_rest_of_epoch_trains_each_image_of_the_epoch_once_at_another_world_size(before, after):
     # An epoch of 96 images cut after a few optimizer steps of (world size, batch, accumulation) `before`, resumed at
     # `after`: the images trained are the epoch's own, each once, and all of them where the new step divides what is
     # left, as in an uninterrupted epoch; otherwise all but a tail shorter than one new step (3to2-tail: 36 + 56).
@@ -33,7 +33,7 @@ def test_remaining_shard_trains_each_image_of_the_epoch_once_at_another_world_si
             sampler = DistributedSampler(images, num_replicas=world, rank=rank, seed=0)
             sampler.set_epoch(epoch)
             run = SimpleNamespace(samples=samples, steps_per_epoch=len(sampler) // (batch * accum))
-            shard, step = train_ddp.remaining_shard(sampler, run, args)
+            shard, step = train_ddp.rest_of_epoch(sampler, run, args)
             assert vars(run) == {"samples": samples, "steps_per_epoch": run.steps_per_epoch}  # unchanged
             yield shard, step
 
@@ -79,7 +79,7 @@ def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_c
     # A checkpoint saved with --momentum 0 has no momentum buffers, and one whose model had parameters that got no
     # gradient has some only. Resumed with momentum, fused SGD would make the missing ones with empty_like at its
     # first step (garbage, kept when the GradScaler skips that step), or, with some there, raise. Loaded as
-    # train_ddp.py's restore_training_state loads it, every parameter has a buffer in its layout: the
+    # train_ddp.restore_optimizer loads it, every parameter has a buffer in its layout: the
     # checkpoint's where it had one, zeros where not.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
@@ -95,9 +95,7 @@ def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_c
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     guard.start_momentum_at_zero(optimizer)
-    settings = train_ddp.optimizer_settings(optimizer)
-    optimizer.load_state_dict(checkpoint)
-    train_ddp.restore_optimizer_settings(optimizer, settings)
+    train_ddp.restore_optimizer(optimizer, checkpoint)
     for i, p in enumerate(model.parameters()):
         buffer = optimizer.state[p].get("momentum_buffer")
         assert buffer is not None and buffer.stride() == p.stride(), i

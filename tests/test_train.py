@@ -212,7 +212,7 @@ def test_check_syncs_finds_a_host_wait_in_a_step(tmp_path, plant):
     result = run(cmd, cwd=tmp_path)
     assert result.returncode != 0
     # 12 steps, a log line every 4: watched from the first log line's step to the last step, the waits after
-    # steps 4 to 11 (the log lines' own reads are in all_reduce_mean).
+    # steps 4 to 11 (the log lines' own reads are in log_step).
     assert "check_syncs.py: rank 0: 8 host waits between log lines" in result.stdout, result.stdout
     assert f"the host waits between log lines: {named}" in result.stderr and line in result.stderr, result.stderr
 

@@ -16,7 +16,7 @@ on a CUDA event (DDP's timer does at some iterations), nor, on the CPU, SyncBatc
 size 2 or more (nn.SyncBatchNorm runs on GPUs only; the CPU's stand-in in guard.py has none).
 
 Watched: train_one_epoch from each epoch's first log line on (the steps before warm up: cuDNN's autotuning, DDP's
-bucket rebuild) to its last step. Allowed there: what a log line itself reads (synced_clock, all_reduce_mean), and
+bucket rebuild) to its last step. Allowed there: what a log line itself reads (log_step), and
 the stop agreement's flags (agreed), a CPU tensor on every device.
 Each rank prints every other one with its stack, and exits 1 if it saw any.
 """
@@ -38,7 +38,7 @@ HOST_WAITS = {aten._local_scalar_dense.default, aten.lift_fresh.default, aten.no
               aten.masked_select.default}
 MASKED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}  # a boolean mask makes them wait
 HOST_COPIES = ["tolist", "cpu", "numpy"]  # Tensor methods that dispatch no operator on a CPU tensor
-LOG_LINE_READS = {"synced_clock", "all_reduce_mean"}
+LOG_LINE_READS = {"log_step"}
 
 
 def between_log_lines():
