@@ -47,17 +47,17 @@ _HEADER_LEN = 16
 _HEADER_BYTES = _HEADER_LEN * 8
 _SHAPE_AT = 4  # where the shape starts in a row
 _MAX_NDIM = _HEADER_LEN - _SHAPE_AT
-# Up to 64 KiB per rank an all-gather costs about what one of 128 bytes costs (bench_gather.py), so a rank's data of
+# A small all-gather costs its latency, not its bytes (bench_gather.py measures where that ends), so a rank's data of
 # up to 8 KiB rides in its header: room for losses, metrics and a few rows, while the large calls, whose data moves
 # after the header, send few idle bytes. Past 8 ranks the room per rank shrinks, to 64 KiB in all.
 _HEADER_ROOM_BYTES = 8 << 10
 _HEADER_MAX_ROOM_TOTAL = 64 << 10
 # Backends whose list-form all_gather accepts different sizes per rank (gloo raises).
 _UNEVEN_BACKENDS = ("nccl",)
-# On 2 and 4 gloo ranks one broadcast per rank, all in flight at once, beats gloo's own all-gather even for equal
-# sizes: about 0.7x to 0.9x its time from 1 to 16 MiB in all (bench_gather.py). Gloo's broadcast is a binomial tree of
-# log2(world) steps, though, and its two worker threads run two collectives at a time, so the gain shrinks as ranks
-# grow: on more ranks than were measured, equal sizes keep the all-gather.
+# On 2 to 4 gloo ranks one broadcast per rank, all in flight at once, beats gloo's own all-gather even for equal
+# sizes (bench_gather.py). Gloo's broadcast is a binomial tree of log2(world) steps, though, and its two worker
+# threads run two collectives at a time, so the gain shrinks as ranks grow: on more ranks than were measured, equal
+# sizes keep the all-gather.
 _GLOO_BROADCAST_MAX_WORLD = 4
 
 

@@ -1,7 +1,6 @@
 """The checks and safety nets of train_ddp.py, which a reader of its story can skip: argument and
-file checks, one-line failures, the ranks' agreement to stop and an elastic node's leave, NCCL's
-settings, the atomic checkpoint writer, and batch norm synced over CPUs. Copy it beside
-train_ddp.py and gather_utils.py. What gathers or reduces says so: every rank must call it.
+file checks, one-line failures, the ranks' agreement to stop, NCCL's settings, the atomic checkpoint
+writer, and batch norm synced over CPUs. What gathers or reduces says so: every rank must call it.
 """
 import datetime
 import hashlib
@@ -71,8 +70,7 @@ def env_local_rank():
 
 
 def local_world_size():
-    """The processes on this machine: torchrun's count, else the most srun tasks on a node
-    ("8(x2),4"), else 1."""
+    """The processes on this machine: torchrun's count, else most srun tasks on a node, else 1."""
     if "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     tasks = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(",")
@@ -103,8 +101,7 @@ def stop_on_problems(problem):
 
 
 def load_file(path, flag, what):
-    """What torch.save wrote at `path`, read on the CPU, tensors and plain values only; else one
-    line and exit 2."""
+    """What torch.save wrote at `path`, on the CPU, tensors and plain values only; else one line."""
     if not Path(path).is_file():
         fail(f"{flag} {path}: no such file; expected a {what}")
     try:
@@ -142,18 +139,19 @@ def check_args(args):
     """Reject bad input before any process group exists, so that nothing can hang on it."""
     for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples",
                  "image_size", "log_every"]:
-        if getattr(args, name) < 1:
-            fail(f"--{dashed(name)} must be a positive integer, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value < 1:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.save_every is not None and args.save_every < 1:
         fail(f"--save-every must be a positive number of optimizer steps, got {args.save_every}")
     if args.num_classes < 2:
         fail(f"--num-classes must be at least 2, got {args.num_classes}")
     if args.workers < 0:
         fail(f"--workers must be 0 or more, got {args.workers}")
-    for name in ["init_timeout", "collective_timeout"]:
-        if getattr(args, name) <= 0:
-            fail(f"--{dashed(name)} must be a positive number of seconds, "
-                 f"got {getattr(args, name)}")
+    for flag, seconds in [("--init-timeout", args.init_timeout),
+                          ("--collective-timeout", args.collective_timeout)]:
+        if seconds <= 0:
+            fail(f"{flag} must be a positive number of seconds, got {seconds}")
     check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
@@ -182,10 +180,6 @@ def check_args(args):
     check_shared_memory(args)
 
 
-def dashed(name):
-    return name.replace("_", "-")
-
-
 def check_arch_trains(arch, image_size, training):
     """A forward on the meta device (shapes only): a model that cannot train at this size, or
     returns more than logits, fails."""
@@ -212,8 +206,7 @@ def check_writable(directory, flag):
 
 
 def check_shared_memory(args):
-    """DataLoader workers hand batches over in /dev/shm: running out (a container's 64 MB) kills
-    them mid-epoch."""
+    """Workers hand batches over in /dev/shm: running out (a container's 64 MB) kills them."""
     if args.workers == 0 or not os.path.isdir("/dev/shm"):
         return
     shm = os.statvfs("/dev/shm")
@@ -254,8 +247,7 @@ def num_classes(args):
 
 # ------------------------------------------------------------------------------ --weights
 def named_weights(args):
-    """The torchvision weights --weights names (IMAGENET1K_V2, DEFAULT,
-    ResNet50_Weights.IMAGENET1K_V2), or None."""
+    """The torchvision weights --weights names (DEFAULT, ResNet50_Weights.DEFAULT), or None."""
     if not args.weights or Path(args.weights).is_file():
         return None
     kinds = torchvision.models.get_model_weights(args.arch)
@@ -321,9 +313,8 @@ class UnreadableImage(Exception):
 
 
 def read_image(path):
-    """A file as 3-channel RGB uint8 (grayscale, CMYK and alpha alike): torchvision.io's decoders
-    for the formats they read (JPEG, PNG; GIF, WebP in newer ones), a third of PIL's time for JPEG;
-    PIL for the others (BMP, TIFF, ...)."""
+    """A file as RGB uint8: torchvision.io's decoders for the formats they read, a third of PIL's
+    time for JPEG; PIL for the others (BMP, TIFF, ...)."""
     try:
         image = decode_image(read_file(path), mode=ImageReadMode.RGB)
     except RuntimeError:  # not a format torchvision.io reads, or a damaged file: PIL tells which
@@ -344,8 +335,7 @@ def unreadable(error):
 
 # ----------------------------------------------------------------- the device, the process group
 def gpu_index(local_rank):
-    """The GPU this process takes: its local rank's, or the only one it sees (an srun task bound to
-    a GPU; check_args refused more torchrun processes than GPUs)."""
+    """The GPU this process takes: its local rank's, or the only one it sees (an srun task's)."""
     if torch.cuda.device_count() == 1:
         return 0
     if local_rank >= torch.cuda.device_count():  # srun: more tasks on a node than its GPUs
@@ -355,10 +345,10 @@ def gpu_index(local_rank):
 
 
 def raise_nccl_timeouts(args):
-    """On NCCL, a collective past --collective-timeout makes the watchdog dump each rank's flight
-    recorder beside the checkpoints and abort NCCL, so that the next collective raises for
-    collective_failed()'s one line: TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not torchrun's 1, whose
-    watchdog kills the process without a line. A value the user set is kept."""
+    """A collective past --collective-timeout dumps each rank's flight recorder beside the
+    checkpoints and aborts NCCL, so that the next collective raises for collective_failed()'s line:
+    TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not torchrun's 1, which kills without a line. The user's
+    values win."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
@@ -416,11 +406,9 @@ def set_collective_timeout(seconds):
 
 
 def collective_failed(error, args):
-    """A collective failed because a rank is gone (gloo's connections closed or timed out, NCCL's
-    error): one line from each rank, naming its flight recorder's dump on NCCL, and exit 1 at once,
-    for destroying the broken group can block (the old ProcessGroupNCCL's destructor joins a
-    heartbeat monitor asleep for 480 s; ProcessGroupNCCL2 waits for pending collectives). Nothing
-    is left to save: the checkpoint writer finished first. Any other error is raised as it is."""
+    """A rank is gone: one line from each rank, naming its flight recorder's dump on NCCL, and
+    exit 1 at once, for destroying the broken group can block (the old ProcessGroupNCCL's heartbeat
+    monitor sleeps 480 s; ProcessGroupNCCL2 waits for pending collectives). Other errors go on."""
     gone = isinstance(error, dist.DistBackendError) or first_line(error).startswith(NCCL2_FAILURES)
     if not gone and "gloo/transport" not in str(error):
         raise error
@@ -495,8 +483,7 @@ class StopAgreement:
 
     def note(self, signum, frame):
         self.requested = True
-        # A second SIGTERM (SLURM and launch.sh may send several) cannot kill the process as it
-        # exits.
+        # A second SIGTERM (SLURM and launch.sh may send several) cannot kill it as it exits.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def send(self, problem=None):
@@ -509,8 +496,7 @@ class StopAgreement:
         self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed(self):
-        """Whether to stop, by the flags sent last (or now): for a SIGTERM on any rank; for a
-        problem, all exit."""
+        """Whether to stop, by the flags sent last (or now); a problem on any rank exits all."""
         if self.sent is None:
             self.send()
         self.sent.wait()
@@ -549,26 +535,20 @@ class StopAgreement:
 
 
 # ------------------------------------------------------------------------ checkpoint writes
-class CheckpointWriter:
-    """Rank 0's checkpoint writes, on a thread of their own while training goes on: one at a time,
-    so that one copy of the state is held in memory however slow the disk. Leaving the `with` block
-    waits for the last write, also on an error."""
+class CheckpointWriter(ThreadPoolExecutor):
+    """Rank 0's checkpoint writes, on a thread while training goes on: one at a time, so that one
+    copy of the state is held in memory however slow the disk. Leaving its `with` block waits for
+    the last write, also on an error."""
 
     def __init__(self):
-        self.pool = ThreadPoolExecutor(1, "checkpoint writer")
+        super().__init__(1, "checkpoint writer")
         self.written = None  # the latest write
 
     def write(self, state, path):
         """A copy of `state` in host memory, now; written to `path` atomically, later."""
         if self.written:
             self.written.result()
-        self.written = self.pool.submit(write_atomically, on_host(state), path)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.pool.shutdown(wait=True)
+        self.written = self.submit(write_atomically, on_host(state), path)
 
 
 def on_host(value):
@@ -585,9 +565,8 @@ def on_host(value):
 
 
 def write_atomically(state, path):
-    """To last.pt.tmp, flushed and fsynced, then renamed over last.pt: a kill at any moment leaves
-    the old file or the new one, never a torn one. A write that fails (a full disk) ends the
-    process, with one line."""
+    """To last.pt.tmp, fsynced, then renamed over last.pt: a kill at any moment leaves the old
+    file or the new one. A write that fails (a full disk) ends the process, with one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -602,12 +581,10 @@ def write_atomically(state, path):
 
 
 def start_momentum_at_zero(optimizer):
-    """Every momentum buffer in its parameter's memory layout, which the fused kernels need, and
-    zeros where a group with momentum has none: at the start, and after a checkpoint's state,
-    which may hold none (--momentum 0) or some (parameters that got no gradient). Fused SGD would
-    make missing ones with empty_like and keep them when the GradScaler skips an overflowed first
-    step (torch/optim/sgd.py, _fused_sgd), or raise if only some are missing. With dampening 0, a
-    zero buffer gives the next step the update of no buffer."""
+    """Momentum buffers in their parameters' memory layout, as fused kernels need, and zeros where
+    a group with momentum has none (at the start; in a checkpoint of --momentum 0, or of parameters
+    without gradients): fused SGD would make them with empty_like, kept when an overflowed first
+    step is skipped, or raise on a partial list (sgd.py, _fused_sgd). Zeros step as no buffer."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             buffer = optimizer.state[p].get("momentum_buffer")

@@ -109,7 +109,7 @@ def bench(args, train_args, device):
         guard.write_atomically(state, path)
         writes.append(time.perf_counter() - began)
         del state
-    run.writer.pool.shutdown()
+    run.writer.shutdown()
     return steps, windows, statistics.median(idle_calls), statistics.median(writes), size
 
 
