@@ -173,7 +173,7 @@ def check_args(args):
     if args.weights and not named_weights(args):
         with torch.device("meta"):  # shapes only
             model = torchvision.models.get_model(args.arch, num_classes=num_classes(args))
-        fit_weights(read_weights_file(args.weights), model, args)
+        weights_for(model, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
     if args.metrics_file:
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
@@ -258,21 +258,13 @@ def named_weights(args):
     return kinds[name]
 
 
-def read_weights_file(path):
-    state = load_file(path, "--weights", "state dict")
-    return state["model"] if isinstance(state, dict) and "model" in state else state  # a last.pt's
-
-
 def weights_for(model, args):
-    """--weights' state dict for `model`, and the layers left new (see fit_weights)."""
-    weights = named_weights(args)
-    state = weights.get_state_dict() if weights else read_weights_file(args.weights)
-    return fit_weights(state, model, args)
-
-
-def fit_weights(state, model, args):
     """--weights' state dict for `model`, and the layers left new: every key must be there, of the
     same shape, but the classifier's, which may be for another number of classes."""
+    named = named_weights(args)
+    state = named.get_state_dict() if named else load_file(args.weights, "--weights", "state dict")
+    if isinstance(state, dict) and "model" in state:  # a last.pt
+        state = state["model"]
     own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
     # num_batches_tracked: weights saved before torch 0.4.1 lack it.
     missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}
