@@ -572,7 +572,7 @@ def write_atomically(state, path):
         os._exit(1)
 
 
-def start_momentum_at_zero(optimizer):
+def settle_momentum_buffers(optimizer):
     """Momentum buffers in their parameters' memory layout, as fused kernels need, and zeros where
     a group with momentum has none (at the start; in a checkpoint of --momentum 0, or of parameters
     without gradients): fused SGD would make them with empty_like, kept when an overflowed first

@@ -303,7 +303,7 @@ def build_optimizer(model, args):
     device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, fused=device.type == "cuda")
-    guard.start_momentum_at_zero(optimizer)  # not what fused SGD leaves after a skipped first step
+    guard.settle_momentum_buffers(optimizer)  # not what fused SGD leaves after a skipped first step
     return optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
 
@@ -675,7 +675,7 @@ def restore_optimizer(optimizer, state):
     optimizer.load_state_dict(state)
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
-    guard.start_momentum_at_zero(optimizer)
+    guard.settle_momentum_buffers(optimizer)
 
 
 if __name__ == "__main__":

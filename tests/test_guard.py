@@ -55,14 +55,14 @@ def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_fused_sgd_"), reason="this torch has no fused SGD kernel on the CPU")
-def test_start_momentum_at_zero_keeps_fused_sgd_right_after_a_skipped_step():
+def test_settle_momentum_buffers_keeps_fused_sgd_right_after_a_skipped_step():
     # The CPU's fused SGD kernel, as CUDA's: a first step that the GradScaler skips (an inf in the
     # gradients) must leave the next steps as plain SGD takes them.
     def trained(fused):
         torch.manual_seed(0)
         model = nn.Linear(8, 4)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
-        guard.start_momentum_at_zero(optimizer)
+        guard.settle_momentum_buffers(optimizer)
         scaler = torch.amp.GradScaler("cpu")
         for x in [torch.full((2, 8), float("inf")), torch.ones(2, 8), -torch.ones(2, 8)]:
             optimizer.zero_grad()

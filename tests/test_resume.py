@@ -94,7 +94,7 @@ def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_c
     assert len(had) == (0 if saved == "momentum 0" else 2), checkpoint["state"]
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    guard.start_momentum_at_zero(optimizer)
+    guard.settle_momentum_buffers(optimizer)
     train_ddp.restore_optimizer(optimizer, checkpoint)
     for i, p in enumerate(model.parameters()):
         buffer = optimizer.state[p].get("momentum_buffer")
