@@ -303,7 +303,7 @@ def build_optimizer(model, args):
     device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, fused=device.type == "cuda")
-    guard.settle_momentum_buffers(optimizer)  # not what fused SGD leaves after a skipped first step
+    guard.settle_momentum_buffers(optimizer)  # zeros, not what fused SGD makes if step 1 is skipped
     return optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
 
