@@ -514,6 +514,17 @@ def check_bad_input_gather_for_metrics(device, group=None):
     expect_error(
         ValueError, lambda: gu.gather_for_metrics(results, own, 2 * world + rank, group), "num_samples"
     )
+    # An index well past num_samples, with none at it.
+    far = torch.tensor([rank, rank + world if rank < world - 1 else 3 * world], device=device)
+    expect_error(
+        ValueError,
+        lambda: gu.gather_for_metrics(results, far, 2 * world, group),
+        f"rank {world - 1} holds index {3 * world}, outside range(num_samples={2 * world})",
+    )
+    zero_d = torch.tensor(0.0, device=device) if rank == 1 else results
+    expect_rank_1_error(
+        group, TypeError, lambda: gu.gather_for_metrics(zero_d, own, 2 * world, group), "got a 0-d tensor"
+    )
     short = own[:1] if rank == 1 else own
     expect_rank_1_error(
         group,
