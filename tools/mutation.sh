@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Mutation testing of gather_utils.py with cosmic-ray: each mutant is one small change to the file
+# (a flipped comparison, a constant off by one, a deleted statement, ...), and a mutant the tests
+# do not fail on survives. The tests start torchrun, whose workers import the file from disk, so
+# cosmic-ray changes the file itself: in a scratch clone of this repository's HEAD, never here.
+#
+#   python3 -m venv --system-site-packages /tmp/cr && /tmp/cr/bin/pip install cosmic-ray==8.7.0
+#   PATH=/tmp/cr/bin:$PATH bash tools/mutation.sh [SAMPLE]
+#
+# SAMPLE: that many mutants drawn at random (seed 0) instead of all of them, for an estimate in
+# less time. Prints each survivor's diff, then cosmic-ray's totals. A mutant's tests, cheapest
+# first: test_gather.py's checks in one process, then under torchrun on 3, 2, 1 and 5 ranks, and
+# on 3 ranks with --backend default.
+set -euo pipefail
+sample=${1:-}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d /tmp/mutation.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+git clone -q "$repo" "$work/repo"
+cat >"$work/tests.sh" <<'EOF'
+cd "$(dirname "$0")/repo"
+python3 -m pytest -q -x -p no:cacheprovider test_gather.py -k "not torchrun" >/dev/null 2>&1 || exit 1
+launch() {  # ranks, then test_gather.py's flags: every check passed
+    local ranks=$1 last
+    shift
+    last=$(timeout 150 torchrun --standalone --nproc_per_node "$ranks" test_gather.py "$@" 2>&1 | tail -n 1)
+    [[ $last == *" passed, 0 failed" ]]
+}
+for n in 3 2 1 5; do launch "$n" || exit 1; done
+CUDA_VISIBLE_DEVICES= launch 3 --backend default
+EOF
+cat >"$work/config.toml" <<EOF
+[cosmic-ray]
+module-path = "gather_utils.py"
+timeout = 300.0
+excluded-modules = []
+test-command = "bash $work/tests.sh"
+
+[cosmic-ray.distributor]
+name = "local"
+EOF
+cd "$work/repo"
+cosmic-ray init "$work/config.toml" "$work/session.sqlite"
+if [[ -n $sample ]]; then
+    python3 - "$work/session.sqlite" "$sample" <<'EOF'
+import random, sqlite3, sys
+db = sqlite3.connect(sys.argv[1])
+jobs = sorted(job for job, in db.execute("select job_id from work_items"))
+dropped = set(jobs) - set(random.Random(0).sample(jobs, min(int(sys.argv[2]), len(jobs))))
+for table in ["mutation_specs", "work_items"]:
+    db.executemany(f"delete from {table} where job_id = ?", [(job,) for job in dropped])
+db.commit()
+EOF
+fi
+cosmic-ray exec "$work/config.toml" "$work/session.sqlite"
+cr-report "$work/session.sqlite" --surviving-only
