@@ -53,4 +53,4 @@ db.commit()
 EOF
 fi
 cosmic-ray exec "$work/config.toml" "$work/session.sqlite"
-cr-report "$work/session.sqlite" --surviving-only
+cr-report "$work/session.sqlite" --surviving-only --show-diff
