@@ -260,6 +260,10 @@ def check_all_gather_tensors_any_shape(device, group=None):
     for r in range(world):
         assert out[r].shape == tensor_for(r).shape, (r, out[r].shape)
         assert torch.equal(out[r], tensor_for(r))
+    # 12 dims, the most a header's shape holds.
+    deep = gu.all_gather_tensors(torch.full([1] * 11 + [rank + 1], rank, device=device), group)
+    assert [t.shape for t in deep] == [(1,) * 11 + (r + 1,) for r in range(world)]
+    assert all(torch.equal(t, torch.full_like(t, r)) for r, t in enumerate(deep))
 
 
 def check_all_gather_object(device, group=None, width=SMALL):
@@ -457,6 +461,15 @@ def check_bad_input_not_a_tensor_on_one_rank(device, group=None):
     unpicklable = (lambda: 0) if rank == 1 else rank
     expect_rank_1_error(
         group, TypeError, lambda: gu.all_gather_object(unpicklable, group), "could not pickle"
+    )
+    check_group_still_works(device, group)
+
+
+def check_bad_input_tensor_and_dict_mixed(device, group=None):
+    rank = gu.get_rank(group)
+    local = {"loss": 1.0} if rank == 1 else torch.ones(1, device=device)
+    expect_error(
+        ValueError, lambda: gu.all_reduce_mean(local, group), "same kind of input", "rank 0: a tensor; rank 1: a dict"
     )
     check_group_still_works(device, group)
 
@@ -694,6 +707,7 @@ MULTI_RANK_CHECKS = [
     check_bad_input_ndim_mismatch_same_numel,
     check_bad_input_not_a_tensor_on_one_rank,
     check_bad_input_unreadable_tensor_on_one_rank,
+    check_bad_input_tensor_and_dict_mixed,
     check_bad_input_dict_keys_differ,
     check_bad_input_gather_for_metrics,
     check_bad_input_requires_grad_on_one_rank,
