@@ -549,13 +549,15 @@ def check_bad_input_gather_for_metrics(device, group=None):
     expect_rank_1_error(
         group, TypeError, lambda: gu.gather_for_metrics(results, sparse, 2 * world, group), "dense tensor"
     )
-    ragged = [[0], [1, 2]] if rank == 1 else own  # torch.as_tensor raises ValueError on it
-    expect_rank_1_error(
-        group,
-        TypeError,
-        lambda: gu.gather_for_metrics(results, ragged, 2 * world, group),
-        "indices must be a 1-D integer tensor, got list",
-    )
+    # torch.as_tensor raises ValueError on a ragged list, TypeError on a str.
+    for bad in [[0], [1, 2]], "0 1":
+        not_indices = bad if rank == 1 else own
+        expect_rank_1_error(
+            group,
+            TypeError,
+            lambda: gu.gather_for_metrics(results, not_indices, 2 * world, group),
+            f"indices must be a 1-D integer tensor, got {type(bad).__name__}",
+        )
     a_list = [0.0, 0.0] if rank == 1 else results
     expect_rank_1_error(
         group, TypeError, lambda: gu.gather_for_metrics(a_list, own, 2 * world, group), "got list"
