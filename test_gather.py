@@ -549,6 +549,14 @@ def check_bad_input_gather_for_metrics(device, group=None):
     expect_rank_1_error(
         group, TypeError, lambda: gu.gather_for_metrics(results, sparse, 2 * world, group), "dense tensor"
     )
+    for bad in -1, 4.0, True, 2**63:
+        num_samples = bad if rank == 1 else 2 * world
+        expect_rank_1_error(
+            group,
+            TypeError,
+            lambda: gu.gather_for_metrics(results, own, num_samples, group),
+            f"num_samples must be a non-negative int, got {bad!r}",
+        )
     # torch.as_tensor raises ValueError on a ragged list, TypeError on a str.
     for bad in [[0], [1, 2]], "0 1":
         not_indices = bad if rank == 1 else own
