@@ -45,8 +45,10 @@ if [[ -n $sample ]]; then
     python3 - "$work/session.sqlite" "$sample" <<'EOF'
 import random, sqlite3, sys
 db = sqlite3.connect(sys.argv[1])
-jobs = sorted(job for job, in db.execute("select job_id from work_items"))
-dropped = set(jobs) - set(random.Random(0).sample(jobs, min(int(sys.argv[2]), len(jobs))))
+# Drawn by what each mutant changes, not by its job id, which is new at every init.
+mutants = sorted(db.execute("select operator_name, occurrence, job_id from mutation_specs"))
+drawn = random.Random(0).sample(mutants, min(int(sys.argv[2]), len(mutants)))
+dropped = {job for *_, job in mutants} - {job for *_, job in drawn}
 for table in ["mutation_specs", "work_items"]:
     db.executemany(f"delete from {table} where job_id = ?", [(job,) for job in dropped])
 db.commit()
