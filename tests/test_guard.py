@@ -1,15 +1,22 @@
 """Tests of guard.py's functions that need no process group: one process, each in milliseconds,
 except those that start a Python process of their own to see what a fresh one reads."""
+import copy
+import os
+import signal
 import sys
+import types
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torchvision
 from PIL import Image
 
 import guard
-from conftest import ROOT, clean_env, noise_image, run
+import train_ddp
+from conftest import ROOT, clean_env, load, noise_image, run, write_images
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.quick]
 
@@ -103,3 +110,324 @@ def test_collective_failed_raises_any_other_error_as_it_is():
     assert result.returncode == 1 and result.stderr.splitlines()[-1].endswith("RuntimeError: CUDA out of memory")
 
 
+
+
+def exit_of(call, capsys):
+    """The exit code and stderr of a call that must end the process (guard's fail or rank_error)."""
+    with pytest.raises(SystemExit) as ended:
+        call()
+    return ended.value.code, capsys.readouterr().err
+
+
+@pytest.fixture
+def world_of_one():
+    """A real gloo process group of one rank in this process, for what gathers or reduces."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_local_world_size_reads_torchrun_then_the_most_srun_tasks_on_a_node(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
+    assert guard.local_world_size() == 1
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x3),5,1")
+    assert guard.local_world_size() == 5
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert guard.local_world_size() == 3
+
+
+def test_world_from_env_reads_torchrun_then_an_srun_task(monkeypatch):
+    for name in ["RANK", "WORLD_SIZE", "SLURM_STEP_ID"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert guard.world_from_env() == (0, 1)  # sbatch's script, not an srun task
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert guard.world_from_env() == (3, 8)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert guard.world_from_env() == (1, 2)
+
+
+def test_settle_args_completes_the_devices_defaults_and_the_backend():
+    args = train_ddp.parse_args(["--arch", "resnet18"])
+    for name, value in train_ddp.DEVICE_DEFAULTS["cpu"].items():
+        assert getattr(args, name) == value, name
+    assert (args.resize, args.backend, args.image_size_given) == (36, "gloo", False)
+    args = train_ddp.parse_args(["--arch", "resnet18", "--image-size", "64", "--batch-size", "3"])
+    assert (args.image_size, args.resize, args.batch_size, args.image_size_given) == (64, 73, 3, True)
+
+
+def test_settle_args_takes_named_weights_recipe_sizes_unless_given():
+    args = train_ddp.parse_args(["--weights", "ResNet50_Weights.IMAGENET1K_V2"])
+    assert (args.image_size, args.resize, args.interpolation) == (224, 232, "bilinear")
+    args = train_ddp.parse_args(["--arch", "swin_v2_t", "--weights", "IMAGENET1K_V1"])
+    assert (args.image_size, args.resize, args.interpolation) == (256, 260, "bicubic")
+    assert train_ddp.parse_args(["--weights", "DEFAULT", "--image-size", "64"]).image_size == 64
+
+
+CHECK_ARGS_FAILURES = {
+    "--epochs 0": "--epochs must be a positive integer, got 0",
+    "--accum-steps -1": "--accum-steps must be a positive integer, got -1",
+    "--train-samples 0": "--train-samples must be a positive integer, got 0",
+    "--val-samples 0": "--val-samples must be a positive integer, got 0",
+    "--image-size 0": "--image-size must be a positive integer, got 0",
+    "--log-every 0": "--log-every must be a positive integer, got 0",
+    "--num-classes 1": "--num-classes must be at least 2, got 1",
+    "--workers -1": "--workers must be 0 or more, got -1",
+    "--init-timeout 0": "--init-timeout must be a positive number of seconds, got 0",
+    "--collective-timeout -1": "--collective-timeout must be a positive number of seconds, got -1",
+    "--arch inception_v3 --image-size 32": "--arch inception_v3 cannot train on 32 px images",
+    "--backend nccl": "--backend nccl needs CUDA GPUs and none is visible",
+    "--evaluate": "--evaluate needs --resume PATH or --weights",
+    "--resume a.pt --weights DEFAULT": "--resume and --weights: a resume continues",
+    "--weights IMAGENET1K_V3": "--weights IMAGENET1K_V3: no such file, nor weights of --arch "
+                               "resnet50; expected a file or one of IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT",
+    "--weights ResNet18_Weights.DEFAULT": "nor weights of --arch resnet50",
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--backend nccl is valid with a GPU")
+@pytest.mark.parametrize("argv", CHECK_ARGS_FAILURES)
+def test_check_args_rejects_each_bad_value_with_one_line(argv, capsys):
+    code, err = exit_of(lambda: train_ddp.parse_args(argv.split()), capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("train_ddp.py: error: ") and CHECK_ARGS_FAILURES[argv] in err, err
+
+
+def test_check_image_folder_wants_images_and_the_same_classes_in_both_splits(tmp_path, capsys):
+    write_images(tmp_path / "data", noise_image(8, 8), ["cat", "dog"], {"train": 1, "val": 1})
+    guard.check_image_folder(tmp_path / "data")
+    (tmp_path / "data" / "val" / "cow").mkdir()
+    code, err = exit_of(lambda: guard.check_image_folder(tmp_path / "data"), capsys)
+    assert code == 2 and "(only in train/: []; only in val/: ['cow'])" in err
+    for image in (tmp_path / "data" / "val").glob("*/*"):
+        image.rename(image.with_suffix(".txt"))
+    code, err = exit_of(lambda: guard.check_image_folder(tmp_path / "data"), capsys)
+    assert code == 2 and f"{tmp_path}/data/val holds no images" in err
+
+
+def test_num_classes_counts_the_train_folders(tmp_path):
+    write_images(tmp_path, noise_image(8, 8), ["a", "b", "c"], {"train": 1, "val": 1})
+    args = train_ddp.parse_args(["--arch", "resnet18", "--data", str(tmp_path), "--num-classes", "7"])
+    assert guard.num_classes(args) == 3
+    assert guard.num_classes(train_ddp.parse_args(["--arch", "resnet18", "--num-classes", "7"])) == 7
+
+
+def test_weights_for_takes_every_layer_but_a_classifier_of_another_size(tmp_path):
+    torch.manual_seed(0)
+    theirs = torchvision.models.resnet18(num_classes=1000).state_dict()
+    del theirs["bn1.num_batches_tracked"]  # as weights saved before torch 0.4.1
+    torch.save(theirs, tmp_path / "weights.pt")
+    torch.save({"model": theirs, "step": 3}, tmp_path / "last.pt")
+    for name in ["weights.pt", "last.pt"]:
+        args = train_ddp.parse_args(["--arch", "resnet18", "--weights", str(tmp_path / name)])
+        model = torchvision.models.resnet18(num_classes=10)
+        state, new_layers = guard.weights_for(model, args)
+        assert new_layers == ["fc"] and torch.equal(state["fc.weight"], model.fc.weight)
+        assert all(torch.equal(state[key], theirs[key]) for key in theirs if not key.startswith("fc"))
+        model.load_state_dict(state, strict=False)
+
+
+WEIGHTS_FAILURES = {
+    "a conv of another shape": (lambda s: s.update({"conv1.weight": s["conv1.weight"][:, :1]}),
+                                "conv1.weight has shape [64, 1, 7, 7], expected [64, 3, 7, 7]"),
+    "a classifier of another width": (lambda s: s.update({"fc.weight": s["fc.weight"][:, :256]}),
+                                      "fc.weight has shape [1000, 256], expected [10, 512]"),
+    "a key missing": (lambda s: s.pop("layer1.0.conv1.weight"),
+                      "missing keys ['layer1.0.conv1.weight'], unexpected keys []"),
+    "a key too many": (lambda s: s.update({"head.weight": s["fc.weight"]}),
+                       "missing keys [], unexpected keys ['head.weight']"),
+}
+
+
+@pytest.mark.parametrize("case", WEIGHTS_FAILURES)
+def test_weights_for_refuses_weights_that_do_not_fit(case, tmp_path, capsys):
+    change, message = WEIGHTS_FAILURES[case]
+    state = torchvision.models.resnet18(num_classes=1000).state_dict()
+    change(state)
+    torch.save(state, tmp_path / "w.pt")
+    args = train_ddp.parse_args(["--arch", "resnet18", "--dry-run"])
+    args.weights = str(tmp_path / "w.pt")
+    code, err = exit_of(lambda: guard.weights_for(torchvision.models.resnet18(num_classes=10), args), capsys)
+    assert code == 2 and f"--weights {tmp_path}/w.pt does not fit --arch resnet18: {message}" in err, err
+
+
+def test_load_file_names_a_missing_or_unreadable_file(tmp_path, capsys):
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    code, err = exit_of(lambda: guard.load_file(tmp_path / "none.pt", "--resume", "checkpoint"), capsys)
+    assert code == 2 and err == f"train_ddp.py: error: --resume {tmp_path}/none.pt: no such file; expected " \
+                                "a checkpoint\n"
+    code, err = exit_of(lambda: guard.load_file(tmp_path / "bad.pt", "--resume", "checkpoint"), capsys)
+    assert code == 2 and f"--resume {tmp_path}/bad.pt: not a readable checkpoint (UnpicklingError: " in err
+
+
+def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
+    guard.check_writable(tmp_path / "new" / "deeper", "--checkpoint-dir")
+    (tmp_path / "a_file").write_text("")
+    code, err = exit_of(lambda: guard.check_writable(tmp_path / "a_file" / "ck", "--metrics-file"), capsys)
+    assert code == 2 and f"--metrics-file: cannot write under {tmp_path}/a_file;" in err
+
+
+def test_unreadable_takes_the_path_from_a_dataloader_workers_text():
+    error = RuntimeError("Caught UnreadableImage in DataLoader worker process 0.\nOriginal Traceback ...\n"
+                         "guard.UnreadableImage: /data/x.jpg (OSError: truncated)\n")
+    assert guard.unreadable(error) == "cannot read /data/x.jpg (OSError: truncated); remove or replace that file"
+    assert guard.unreadable(guard.UnreadableImage("/d/y.png (SyntaxError: bad)")).startswith("cannot read /d/y.png")
+
+
+NCCL_VARIABLES = ["TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                  "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+
+
+def test_raise_nccl_timeouts_sets_what_the_user_did_not(tmp_path, monkeypatch):
+    for name in NCCL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path / "ck")])
+    for given, kept in [(None, "2"), ("1", "2"), ("0", "0"), ("3", "3")]:
+        if given is not None:
+            monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", given)
+        guard.raise_nccl_timeouts(args)
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == kept, given
+    trace = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    assert trace == f"{tmp_path}/ck/nccl_trace_rank_" and (tmp_path / "ck").is_dir()
+    for name in NCCL_VARIABLES[1:]:
+        monkeypatch.setenv(name, "mine")
+    guard.raise_nccl_timeouts(args)
+    assert all(os.environ[name] == "mine" for name in NCCL_VARIABLES[1:])
+
+
+def test_store_of_this_attempt_prefixes_each_restart_and_drops_the_old_ncclss_signals(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert guard.store_of_this_attempt(store) is store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for key in guard.NCCL_SIGNAL_KEYS:
+        store.set(key, "1")
+    for attempt in ["0", "1"]:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        guard.store_of_this_attempt(store).set("ready", attempt)
+        assert store.get(f"attempt_{attempt}/ready") == attempt.encode()
+        assert store.check(guard.NCCL_SIGNAL_KEYS) == (attempt == "0")
+
+
+def test_init_failure_says_what_to_change(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    args = train_ddp.parse_args(["--arch", "resnet18", "--init-timeout", "30"])
+    nccl = RuntimeError("ncclInvalidUsage\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000\n")
+    assert guard.init_failure(nccl, args, 2) == (
+        "two ranks share one GPU (Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000); "
+        "give each process a GPU of its own (srun --gpus-per-task=1, or one launch.sh per node)")
+    timeout = guard.init_failure(TimeoutError("timed out\nmore"), args, 4)
+    assert timeout == ("the process group did not form within --init-timeout 30 s: expected WORLD_SIZE=4 "
+                       "ranks at node0:29500, and not all came or could connect (timed out)")
+    gloo = guard.init_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:144] connect: refused"), args, 2)
+    assert gloo.endswith("set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on)")
+
+
+def test_check_finite_loss_stops_on_nan_and_inf(tmp_path, capsys):
+    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path)])
+    run = types.SimpleNamespace(epoch=1, step=40)
+    guard.check_finite_loss(2.5, run, args)
+    for loss in [float("nan"), float("inf")]:
+        code, err = exit_of(lambda: guard.check_finite_loss(loss, run, args), capsys)
+        assert code == 1 and err == (f"train_ddp.py: error: the loss is {loss} at epoch 2 step 40: training "
+                                     f"diverged; lower --lr (0.005 now) or check the data; {tmp_path}/last.pt is "
+                                     "unchanged\n")
+
+
+def test_on_host_copies_tensors_in_nested_dicts_and_lists():
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": [torch.zeros(1), 5]}, "args": {"lr": 0.1}}
+    copy = guard.on_host(state)
+    state["model"]["w"].add_(1)
+    state["optimizer"]["state"][0].add_(1)
+    assert torch.equal(copy["model"]["w"], torch.ones(2)) and torch.equal(copy["optimizer"]["state"][0],
+                                                                          torch.zeros(1))
+    assert copy["optimizer"]["state"][1] == 5 and copy["args"] == {"lr": 0.1}
+
+
+def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    guard.write_atomically({"step": 1}, tmp_path / "ck" / "last.pt")
+    guard.write_atomically({"step": 2}, tmp_path / "ck" / "last.pt")
+    assert load(tmp_path / "ck" / "last.pt") == {"step": 2}
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["last.pt"]
+
+
+def test_checkpoint_writer_writes_each_state_as_it_was_when_given(tmp_path):
+    state = {"w": torch.zeros(3)}
+    with guard.CheckpointWriter() as writer:
+        writer.write(state, tmp_path / "a.pt")
+        state["w"].add_(1)
+        writer.write(state, tmp_path / "b.pt")
+        state["w"].add_(1)
+    assert torch.equal(load(tmp_path / "a.pt")["w"], torch.zeros(3))
+    assert torch.equal(load(tmp_path / "b.pt")["w"], torch.ones(3))
+
+
+def test_settle_momentum_buffers_gives_zeros_where_missing_in_the_parameters_layout():
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+    optimizer.state[conv.weight]["momentum_buffer"] = torch.ones(4, 3, 3, 3)  # a contiguous one, as loaded
+    guard.settle_momentum_buffers(optimizer)
+    weight, bias = (optimizer.state[p]["momentum_buffer"] for p in [conv.weight, conv.bias])
+    assert weight.is_contiguous(memory_format=torch.channels_last) and torch.equal(weight, torch.ones(4, 3, 3, 3))
+    assert torch.equal(bias, torch.zeros(4))
+    plain = torch.optim.SGD(conv.parameters(), lr=0.1)
+    guard.settle_momentum_buffers(plain)
+    assert not any(plain.state[p] for p in conv.parameters())
+
+
+def test_stop_on_problems_says_it_and_exits_1(world_of_one, capsys):
+    guard.stop_on_problems(None)
+    code, err = exit_of(lambda: guard.stop_on_problems("cannot read x.jpg"), capsys)
+    assert code == 1 and err == "train_ddp.py: error: rank 0: cannot read x.jpg\n"
+
+
+def test_stop_agreement_stops_on_a_sigterm_and_exits_on_a_problem(world_of_one, capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop = guard.StopAgreement()
+        assert not stop.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop.send()
+        assert stop.agreed() and stop.stopped and not stop.ending
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM cannot kill it
+        stop.send("cannot read x.jpg")
+        code, err = exit_of(stop.agreed, capsys)
+        assert code == 1 and "rank 0: cannot read x.jpg" in err
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_replica_checksums_stop_on_weights_gone_nan(world_of_one, tmp_path, capsys):
+    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path)])
+    run = types.SimpleNamespace(model=nn.Linear(2, 2), epoch=0, step=3)
+    assert len(guard.replica_checksums(run, args)) == 1
+    with torch.no_grad():
+        run.model.bias[0] = float("nan")
+    code, err = exit_of(lambda: guard.replica_checksums(run, args), capsys)
+    assert code == 1 and "the model's weights are not finite at epoch 1 step 3 (checksums per rank: [nan])" in err
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_cpu_sync_batch_norm_matches_batch_norm_in_a_world_of_one(momentum, world_of_one):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=momentum))
+    plain[1].weight.data.uniform_(0.5, 1.5)
+    plain[1].bias.data.uniform_(-1, 1)
+    synced = guard.convert_to_cpu_sync_bn(copy.deepcopy(plain))
+    assert isinstance(synced[1], guard.CPUSyncBatchNorm) and synced.state_dict().keys() == plain.state_dict().keys()
+    for step in range(3):
+        x = torch.randn(5, 3, 6, 6) * (step + 1) + step
+        for model in [plain, synced]:
+            model.zero_grad()
+            model(x).pow(3).mean().backward()
+        torch.testing.assert_close(synced(x), plain(x))
+        for (name, a), b in zip(plain.named_parameters(), synced.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, msg=name)
+    for name, buffer in plain.state_dict().items():
+        torch.testing.assert_close(synced.state_dict()[name], buffer, msg=name)
+    synced.eval(), plain.eval()
+    torch.testing.assert_close(synced(x), plain(x))
