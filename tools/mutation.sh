@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Mutation testing of gather_utils.py with cosmic-ray: each mutant is one small change to the file
-# (a flipped comparison, a constant off by one, a deleted statement, ...), and a mutant the tests
-# do not fail on survives. The tests start torchrun, whose workers import the file from disk, so
-# cosmic-ray changes the file itself: in a scratch clone of this repository's HEAD, never here.
+# Mutation testing with cosmic-ray: each mutant is one small change to FILE (a flipped comparison,
+# a constant off by one, a deleted statement, ...), and a mutant the tests do not fail on survives.
+# The tests start torchrun, whose workers import the file from disk, so cosmic-ray changes the file
+# itself: in a scratch clone of this repository's HEAD, never here.
 #
 #   python3 -m venv --system-site-packages /tmp/cr && /tmp/cr/bin/pip install cosmic-ray==8.7.0
-#   PATH=/tmp/cr/bin:$PATH bash tools/mutation.sh [SAMPLE]
+#   PATH=/tmp/cr/bin:$PATH bash tools/mutation.sh gather_utils.py|guard.py [SAMPLE]
 #
 # SAMPLE: that many mutants drawn at random (seed 0) instead of all of them, for an estimate in
 # less time. Prints each survivor's diff, then cosmic-ray's totals. A mutant's tests, cheapest
-# first: test_gather.py's checks in one process, then under torchrun on 3, 2, 1 and 5 ranks, and
-# on 3 ranks with --backend default.
+# first: for gather_utils.py, test_gather.py's checks in one process, then under torchrun on 3,
+# 2, 1 and 5 ranks, and on 3 ranks with --backend default; for guard.py, tests/test_guard.py.
 set -euo pipefail
-sample=${1:-}
+file=${1:?usage: tools/mutation.sh gather_utils.py|guard.py [SAMPLE]}
+sample=${2:-}
+if [[ $file != gather_utils.py && $file != guard.py ]]; then
+    echo "tools/mutation.sh: error: FILE must be gather_utils.py or guard.py, got '$file'" >&2
+    exit 2
+fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d /tmp/mutation.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 git clone -q "$repo" "$work/repo"
 cat >"$work/tests.sh" <<'EOF'
 cd "$(dirname "$0")/repo"
+if [[ $1 == guard.py ]]; then
+    exec python3 -m pytest -q -x -p no:cacheprovider tests/test_guard.py >/dev/null 2>&1
+fi
 python3 -m pytest -q -x -p no:cacheprovider test_gather.py -k "not torchrun" >/dev/null 2>&1 || exit 1
 launch() {  # ranks, then test_gather.py's flags: every check passed
     local ranks=$1 last
@@ -31,10 +39,10 @@ CUDA_VISIBLE_DEVICES= launch 3 --backend default
 EOF
 cat >"$work/config.toml" <<EOF
 [cosmic-ray]
-module-path = "gather_utils.py"
+module-path = "$file"
 timeout = 300.0
 excluded-modules = []
-test-command = "bash $work/tests.sh"
+test-command = "bash $work/tests.sh $file"
 
 [cosmic-ray.distributor]
 name = "local"
