@@ -89,7 +89,7 @@ def world_from_env():
 
 def stop_on_problems(problem):
     """Gathers every rank's problem (or None). If any has one, each rank that has it says so, rank
-    0 says who, and all exit 1 together, instead of leaving the others in their next collective."""
+    0 says who if it has none, and all exit 1 together, instead of leaving the others waiting."""
     problems = gather_utils.all_gather_object(problem)
     failed = [rank for rank, problem in enumerate(problems) if problem]
     if problem:
