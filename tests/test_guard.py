@@ -1,9 +1,11 @@
-"""Tests of guard.py's functions that need no process group: one process, each in milliseconds,
-except those that start a Python process of their own to see what a fresh one reads."""
+"""Tests of guard.py: what needs no process group in this one process, each in milliseconds (or
+a Python process of its own, to see what a fresh one reads or how it exits); what gathers, on a
+gloo group of one in this process, and where ranks must disagree, on 3 real processes."""
 import copy
 import os
 import signal
 import sys
+import textwrap
 import types
 
 import numpy as np
@@ -16,7 +18,7 @@ from PIL import Image
 
 import guard
 import train_ddp
-from conftest import ROOT, clean_env, load, noise_image, run, write_images
+from conftest import ROOT, clean_env, finish, free_port, kill_tree, load, noise_image, run, start, write_images
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.quick]
 
@@ -235,6 +237,8 @@ WEIGHTS_FAILURES = {
                                 "conv1.weight has shape [64, 1, 7, 7], expected [64, 3, 7, 7]"),
     "a classifier of another width": (lambda s: s.update({"fc.weight": s["fc.weight"][:, :256]}),
                                       "fc.weight has shape [1000, 256], expected [10, 512]"),
+    "a wider classifier": (lambda s: s.update({"fc.weight": s["fc.weight"].repeat(1, 2)}),
+                           "fc.weight has shape [1000, 1024], expected [10, 512]"),
     "a key missing": (lambda s: s.pop("layer1.0.conv1.weight"),
                       "missing keys ['layer1.0.conv1.weight'], unexpected keys []"),
     "a key too many": (lambda s: s.update({"head.weight": s["fc.weight"]}),
@@ -268,6 +272,15 @@ def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     code, err = exit_of(lambda: guard.check_writable(tmp_path / "a_file" / "ck", "--metrics-file"), capsys)
     assert code == 2 and f"--metrics-file: cannot write under {tmp_path}/a_file;" in err
+
+
+def test_check_shared_memory_counts_each_workers_two_batches_and_the_steps(capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
+    train_ddp.parse_args(["--arch", "resnet18", "--workers", "2"])
+    argv = ["--workers", "30", "--accum-steps", "2", "--batch-size", "8192", "--image-size", "224"]
+    code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
+    assert code == 2 and "--workers 30: 1 process(es) x 62 batches of 1176 MB need 72912 MB of /dev/shm" in err, err
 
 
 def test_unreadable_takes_the_path_from_a_dataloader_workers_text():
@@ -431,3 +444,105 @@ def test_cpu_sync_batch_norm_matches_batch_norm_in_a_world_of_one(momentum, worl
         torch.testing.assert_close(synced.state_dict()[name], buffer, msg=name)
     synced.eval(), plain.eval()
     torch.testing.assert_close(synced(x), plain(x))
+
+
+GLOO_WORLD = """
+import functools, os, signal, sys, types
+import torch
+import torch.distributed as dist
+import guard
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+"""
+
+
+def in_gloo_world(body, ranks=3):
+    """Each of `ranks` real processes joins a gloo group, then runs `body`; their results by rank.
+    LOCAL_RANK is the rank, as on one machine: only rank 0 says what fail() says."""
+    port, code = free_port(), GLOO_WORLD + textwrap.dedent(body)
+    procs = [start([sys.executable, "-c", code], env=clean_env(
+        RANK=r, WORLD_SIZE=ranks, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(ranks)]
+    try:
+        return [finish(proc, 60) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc)
+
+
+def test_check_same_start_stops_every_rank_naming_each_start():
+    ranks = in_gloo_world("""
+        guard.check_same_start(None)  # the same on every rank
+        checkpoint = {"model": {"w": torch.ones(2)}, "epoch": 1, "step": 5}
+        guard.check_same_start(checkpoint if rank < 2 else None)
+    """)
+    assert [r.returncode for r in ranks] == [2, 2, 2] and ranks[1].stderr == ranks[2].stderr == ""
+    assert ranks[0].stderr.startswith("train_ddp.py: error: the ranks would resume from different checkpoints "
+                                      "(ranks 0, 1: epoch 1 step 5, weights "), ranks[0].stderr
+    assert "; rank 2: a fresh start); give every node the same --resume file" in ranks[0].stderr
+
+
+def test_stop_on_problems_stops_every_rank_and_rank_0_says_who():
+    ranks = in_gloo_world("""
+        guard.stop_on_problems(None)
+        guard.stop_on_problems("cannot read x.jpg" if rank == 1 else None)
+    """)
+    assert [r.returncode for r in ranks] == [1, 1, 1]
+    assert [r.stderr for r in ranks] == ["train_ddp.py: error: rank 0: stopping: rank 1 failed (see above)\n",
+                                         "train_ddp.py: error: rank 1: cannot read x.jpg\n", ""]
+
+
+def test_replica_checksums_see_values_moved_between_tensors_on_one_rank():
+    ranks = in_gloo_world("""
+        torch.manual_seed(0)
+        run = types.SimpleNamespace(model=torch.nn.Linear(2, 2), epoch=0, step=3)
+        guard.replica_checksums(run, types.SimpleNamespace(checkpoint_dir="ck"))
+        if rank == 2:  # the sum of all weights stays
+            with torch.no_grad():
+                run.model.weight[0, 0] += 1
+                run.model.bias[0] -= 1
+        guard.replica_checksums(run, types.SimpleNamespace(checkpoint_dir="ck"))
+    """)
+    assert [r.returncode for r in ranks] == [1, 1, 1]
+    assert "error: the model replicas diverged (parameter checksums per rank: [" in ranks[0].stderr
+    checksums = ranks[0].stderr.split("[")[1].split("]")[0].split(", ")
+    assert checksums[0] == checksums[1] != checksums[2], ranks[0].stderr
+
+
+def test_stop_agreement_stops_every_rank_for_one_ranks_sigterm():
+    ranks = in_gloo_world("""
+        os.environ["RDZV_HOST"] = str(int(rank == 1))
+        stop = guard.StopAgreement()
+        before = stop.agreed()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        print(before, stop.agreed(), stop.stopped, stop.ending, stop.requested)
+    """)
+    assert [r.returncode for r in ranks] == [0, 0, 0], ranks
+    assert [r.stdout for r in ranks] == ["False True True True False\n", "False True True True True\n",
+                                         "False True True True False\n"]
+
+
+def test_cpu_sync_batch_norm_over_ranks_matches_batch_norm_over_the_whole_batch():
+    # Rank r holds r + 1 of the 6 rows: the counts differ, as a last batch's do.
+    ranks = in_gloo_world("""
+        torch.manual_seed(0)
+        x = (torch.randn(6, 3, 4, 4) * 2 + 1).requires_grad_()
+        plain = torch.nn.BatchNorm2d(3)
+        synced = guard.convert_to_cpu_sync_bn(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))
+        whole = plain(x)
+        whole.pow(3).sum().backward()
+        rows = slice(rank * (rank + 1) // 2, (rank + 1) * (rank + 2) // 2)
+        part = x.detach()[rows].requires_grad_()
+        out = synced(part)
+        out.pow(3).sum().backward()
+        close = functools.partial(torch.testing.assert_close, rtol=1e-4, atol=1e-4)  # sums in another order
+        close(out, whole[rows])
+        close(part.grad, x.grad[rows])
+        for mine, whole in [(synced[0].weight.grad, plain.weight.grad), (synced[0].bias.grad, plain.bias.grad)]:
+            dist.all_reduce(mine)  # as DDP sums each rank's gradients
+            close(mine, whole)
+        for name in ["running_mean", "running_var"]:
+            close(getattr(synced[0], name), getattr(plain, name))
+    """)
+    assert [r.returncode for r in ranks] == [0, 0, 0], [r.stderr[-2000:] for r in ranks]
