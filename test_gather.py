@@ -385,7 +385,7 @@ def gather_for_metrics_case(device, group, num_samples, shuffle, width=SMALL):
 
 
 def check_gather_for_metrics_drops_sampler_padding(device, group=None, width=SMALL):
-    for num_samples in (1, 2, 5, 11, 12):  # not divisible by 2, 3 or 4, and below the world size
+    for num_samples in (1, 2, 5, 11, 12, 1031):  # not divisible by 2, 3 or 4, below the world size, and large
         for shuffle in (False, True):
             gather_for_metrics_case(device, group, num_samples, shuffle, width)
 
@@ -521,6 +521,11 @@ def check_bad_input_gather_for_metrics(device, group=None):
     )
     expect_error(
         ValueError,
+        lambda: gu.gather_for_metrics(results, own, 2 * world + 10, group),
+        f"10 of {2 * world + 10} samples are held by no rank, e.g. indices {list(range(2 * world, 2 * world + 8))}",
+    )
+    expect_error(
+        ValueError,
         lambda: gu.gather_for_metrics(results, own, 2 * world - 1, group),
         f"holds index {2 * world - 1}",
     )
@@ -545,6 +550,21 @@ def check_bad_input_gather_for_metrics(device, group=None):
         lambda: gu.gather_for_metrics(results, short, 2 * world, group),
         "1 indices for 2 result rows",
     )
+    long = torch.cat([own, own[:1]]) if rank == 1 else own
+    expect_rank_1_error(
+        group,
+        ValueError,
+        lambda: gu.gather_for_metrics(results, long, 2 * world, group),
+        "3 indices for 2 result rows",
+    )
+    for dtype in torch.float32, torch.complex64, torch.bool:
+        typed = own.to(dtype) if rank == 1 else own
+        expect_rank_1_error(
+            group,
+            TypeError,
+            lambda: gu.gather_for_metrics(results, typed, 2 * world, group),
+            f"indices must be a 1-D integer tensor, got {dtype}[2]",
+        )
     sparse = own.to_sparse() if rank == 1 else own
     expect_rank_1_error(
         group, TypeError, lambda: gu.gather_for_metrics(results, sparse, 2 * world, group), "dense tensor"
