@@ -86,10 +86,11 @@ def test_settle_momentum_buffers_keeps_fused_sgd_right_after_a_skipped_step():
 
 
 COLLECTIVE_FAILED = """
-import sys, types
+import atexit, sys, types
 import torch.distributed as dist
 import guard
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+atexit.register(print, "Python's clean-up ran")  # which a broken group can block
 guard.collective_failed(RuntimeError(sys.argv[1]), types.SimpleNamespace(collective_timeout=600))
 """
 
@@ -100,7 +101,7 @@ def test_collective_failed_takes_nccl2s_runtime_error_for_a_rank_gone(text):
     # torch 2.15's ProcessGroupNCCL2 raises a RuntimeError at the collective after a timeout, not the old class's
     # DistBackendError: still one line from the rank, and exit 1, not a traceback.
     result = run([sys.executable, "-c", COLLECTIVE_FAILED, text], env=clean_env(), cwd=ROOT, timeout=60)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 1 and result.stdout == "", result.stderr
     assert result.stderr.splitlines() == [
         "train_ddp.py: error: rank 0: a collective failed: another rank stopped, or stopped answering for "
         f"--collective-timeout 600 s; look for its own error ({text.splitlines()[0]})"]
@@ -159,6 +160,10 @@ def test_settle_args_completes_the_devices_defaults_and_the_backend():
     assert (args.resize, args.backend, args.image_size_given) == (36, "gloo", False)
     args = train_ddp.parse_args(["--arch", "resnet18", "--image-size", "64", "--batch-size", "3"])
     assert (args.image_size, args.resize, args.batch_size, args.image_size_given) == (64, 73, 3, True)
+    args = train_ddp.parse_args(["--arch", "resnet18", "--comm-hook", "powersgd", "--amp", "bf16", "--save-every",
+                                 "5", "--init-timeout", "0.5", "--collective-timeout", "0.5"])
+    assert (args.comm_hook, args.save_every, args.init_timeout) == ("powersgd", 5, 0.5)
+    assert train_ddp.parse_args(["--arch", "resnet18", "--comm-hook", "powersgd"]).amp == "off"
 
 
 def test_settle_args_takes_named_weights_recipe_sizes_unless_given():
@@ -278,9 +283,9 @@ def test_check_shared_memory_counts_each_workers_two_batches_and_the_steps(capsy
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
     train_ddp.parse_args(["--arch", "resnet18", "--workers", "2"])
-    argv = ["--workers", "30", "--accum-steps", "2", "--batch-size", "8192", "--image-size", "224"]
+    argv = ["--workers", "30", "--accum-steps", "4", "--batch-size", "8192", "--image-size", "224"]
     code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
-    assert code == 2 and "--workers 30: 1 process(es) x 62 batches of 1176 MB need 72912 MB of /dev/shm" in err, err
+    assert code == 2 and "--workers 30: 1 process(es) x 64 batches of 1176 MB need 75264 MB of /dev/shm" in err, err
 
 
 def test_unreadable_takes_the_path_from_a_dataloader_workers_text():
@@ -366,6 +371,25 @@ def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
     guard.write_atomically({"step": 2}, tmp_path / "ck" / "last.pt")
     assert load(tmp_path / "ck" / "last.pt") == {"step": 2}
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["last.pt"]
+
+
+def test_write_atomically_ends_the_process_with_one_line_when_it_cannot_write(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    code = f"import pathlib, guard; guard.write_atomically({{}}, pathlib.Path({str(tmp_path)!r}, 'a_file', 'last.pt'))"
+    result = run([sys.executable, "-c", code], env=clean_env(), cwd=ROOT, timeout=60)
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"train_ddp.py: error: rank 0: could not write {tmp_path}/a_file/last.pt (FileExistsError: "), result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_fetch_weights_takes_them_from_the_hub_cache(world_of_one, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
+    cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"placed by hand")
+    guard.fetch_weights(args)  # no download: without a network it would fail
+    assert cached.read_bytes() == b"placed by hand"
 
 
 def test_checkpoint_writer_writes_each_state_as_it_was_when_given(tmp_path):
@@ -509,18 +533,29 @@ def test_replica_checksums_see_values_moved_between_tensors_on_one_rank():
     assert checksums[0] == checksums[1] != checksums[2], ranks[0].stderr
 
 
-def test_stop_agreement_stops_every_rank_for_one_ranks_sigterm():
-    ranks = in_gloo_world("""
-        os.environ["RDZV_HOST"] = str(int(rank == 1))
+@pytest.mark.parametrize("on_the_rendezvous_host", [True, False])
+def test_stop_agreement_stops_every_rank_for_one_ranks_sigterm(on_the_rendezvous_host):
+    # Then, in an elastic job, the ranks without a SIGTERM wait for one (a join), else exit 1 for
+    # torchrun to go on without the node that left; with the rendezvous host gone, all end, saved.
+    ranks = in_gloo_world(f"""
+        os.environ.update(NNODES="1:2", RDZV_HOST=str(int(rank == 1 and {on_the_rendezvous_host})))
         stop = guard.StopAgreement()
         before = stop.agreed()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        print(before, stop.agreed(), stop.stopped, stop.ending, stop.requested)
+        print(before, stop.agreed(), stop.stopped, stop.ending, stop.requested, flush=True)
+        stop.leave_as_the_elastic_agent_expects(types.SimpleNamespace(checkpoint_dir="ck"))
     """)
-    assert [r.returncode for r in ranks] == [0, 0, 0], ranks
-    assert [r.stdout for r in ranks] == ["False True True True False\n", "False True True True True\n",
-                                         "False True True True False\n"]
+    ending = on_the_rendezvous_host
+    assert [r.stdout for r in ranks] == [f"False True True {ending} {rank == 1}\n" for rank in range(3)]
+    if ending:
+        assert [r.returncode for r in ranks] == [0, 0, 0], ranks
+        assert "got a SIGTERM and left, and the elastic job ends with it; go on with --resume ck/last.pt" in \
+            ranks[0].stderr
+    else:
+        assert [r.returncode for r in ranks] == [1, 0, 1] and ranks[0].seconds > guard.ELASTIC_WAIT, ranks
+        assert "another node left the elastic job (a SIGTERM there, none here in 10 s): exit 1" in ranks[0].stderr
+    assert ranks[1].stderr == ranks[2].stderr == ""
 
 
 def test_cpu_sync_batch_norm_over_ranks_matches_batch_norm_over_the_whole_batch():
