@@ -483,7 +483,11 @@ rank = dist.get_rank()
 def in_gloo_world(body, ranks=3):
     """Each of `ranks` real processes joins a gloo group, then runs `body`; their results by rank.
     LOCAL_RANK is the rank, as on one machine: only rank 0 says what fail() says."""
-    port, code = free_port(), GLOO_WORLD + textwrap.dedent(body)
+    # Each exits past Python's clean-up, which can abort on a gloo group whose peers have gone.
+    body = textwrap.indent(textwrap.dedent(body), "    ")
+    code = (GLOO_WORLD + f"try:\n{body}\nexcept SystemExit as ended:\n    code = ended.code\nelse:\n    code = 0\n"
+            "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(code)\n")
+    port = free_port()
     procs = [start([sys.executable, "-c", code], env=clean_env(
         RANK=r, WORLD_SIZE=ranks, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(ranks)]
     try:
