@@ -113,8 +113,6 @@ def test_collective_failed_raises_any_other_error_as_it_is():
     assert result.returncode == 1 and result.stderr.splitlines()[-1].endswith("RuntimeError: CUDA out of memory")
 
 
-
-
 def exit_of(call, capsys):
     """The exit code and stderr of a call that must end the process (guard's fail or rank_error)."""
     with pytest.raises(SystemExit) as ended:
@@ -195,8 +193,11 @@ CHECK_ARGS_FAILURES = {
 }
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="--backend nccl is valid with a GPU")
-@pytest.mark.parametrize("argv", CHECK_ARGS_FAILURES)
+VALID_WITH_A_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="--backend nccl is valid with a GPU")
+
+
+@pytest.mark.parametrize("argv", [pytest.param(argv, marks=VALID_WITH_A_GPU if "nccl" in argv else ())
+                                  for argv in CHECK_ARGS_FAILURES])
 def test_check_args_rejects_each_bad_value_with_one_line(argv, capsys):
     code, err = exit_of(lambda: train_ddp.parse_args(argv.split()), capsys)
     assert code == 2 and err.count("\n") == 1, err
@@ -266,8 +267,8 @@ def test_weights_for_refuses_weights_that_do_not_fit(case, tmp_path, capsys):
 def test_load_file_names_a_missing_or_unreadable_file(tmp_path, capsys):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     code, err = exit_of(lambda: guard.load_file(tmp_path / "none.pt", "--resume", "checkpoint"), capsys)
-    assert code == 2 and err == f"train_ddp.py: error: --resume {tmp_path}/none.pt: no such file; expected " \
-                                "a checkpoint\n"
+    assert code == 2
+    assert err == f"train_ddp.py: error: --resume {tmp_path}/none.pt: no such file; expected a checkpoint\n"
     code, err = exit_of(lambda: guard.load_file(tmp_path / "bad.pt", "--resume", "checkpoint"), capsys)
     assert code == 2 and f"--resume {tmp_path}/bad.pt: not a readable checkpoint (UnpicklingError: " in err
 
@@ -316,7 +317,7 @@ def test_raise_nccl_timeouts_sets_what_the_user_did_not(tmp_path, monkeypatch):
     assert all(os.environ[name] == "mine" for name in NCCL_VARIABLES[1:])
 
 
-def test_store_of_this_attempt_prefixes_each_restart_and_drops_the_old_ncclss_signals(monkeypatch):
+def test_store_of_this_attempt_prefixes_each_restart_and_drops_the_old_nccl_signals(monkeypatch):
     store = dist.HashStore()
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert guard.store_of_this_attempt(store) is store
@@ -358,12 +359,12 @@ def test_check_finite_loss_stops_on_nan_and_inf(tmp_path, capsys):
 
 def test_on_host_copies_tensors_in_nested_dicts_and_lists():
     state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": [torch.zeros(1), 5]}, "args": {"lr": 0.1}}
-    copy = guard.on_host(state)
+    host = guard.on_host(state)
     state["model"]["w"].add_(1)
     state["optimizer"]["state"][0].add_(1)
-    assert torch.equal(copy["model"]["w"], torch.ones(2)) and torch.equal(copy["optimizer"]["state"][0],
-                                                                          torch.zeros(1))
-    assert copy["optimizer"]["state"][1] == 5 and copy["args"] == {"lr": 0.1}
+    assert torch.equal(host["model"]["w"], torch.ones(2))
+    assert torch.equal(host["optimizer"]["state"][0], torch.zeros(1))
+    assert host["optimizer"]["state"][1] == 5 and host["args"] == {"lr": 0.1}
 
 
 def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -458,15 +459,18 @@ def test_cpu_sync_batch_norm_matches_batch_norm_in_a_world_of_one(momentum, worl
     assert isinstance(synced[1], guard.CPUSyncBatchNorm) and synced.state_dict().keys() == plain.state_dict().keys()
     for step in range(3):
         x = torch.randn(5, 3, 6, 6) * (step + 1) + step
+        outputs = []
         for model in [plain, synced]:
             model.zero_grad()
-            model(x).pow(3).mean().backward()
-        torch.testing.assert_close(synced(x), plain(x))
+            outputs.append(model(x))
+            outputs[-1].pow(3).mean().backward()
+        torch.testing.assert_close(outputs[1], outputs[0])
         for (name, a), b in zip(plain.named_parameters(), synced.parameters()):
             torch.testing.assert_close(b.grad, a.grad, msg=name)
     for name, buffer in plain.state_dict().items():
         torch.testing.assert_close(synced.state_dict()[name], buffer, msg=name)
-    synced.eval(), plain.eval()
+    plain.eval()
+    synced.eval()
     torch.testing.assert_close(synced(x), plain(x))
 
 
@@ -477,16 +481,23 @@ import torch.distributed as dist
 import guard
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+try:
+{body}
+except SystemExit as ended:
+    code = ended.code
+else:
+    code = 0
+# Past Python's clean-up, which can abort on a gloo group whose peers have gone.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
 """
 
 
 def in_gloo_world(body, ranks=3):
     """Each of `ranks` real processes joins a gloo group, then runs `body`; their results by rank.
     LOCAL_RANK is the rank, as on one machine: only rank 0 says what fail() says."""
-    # Each exits past Python's clean-up, which can abort on a gloo group whose peers have gone.
-    body = textwrap.indent(textwrap.dedent(body), "    ")
-    code = (GLOO_WORLD + f"try:\n{body}\nexcept SystemExit as ended:\n    code = ended.code\nelse:\n    code = 0\n"
-            "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(code)\n")
+    code = GLOO_WORLD.format(body=textwrap.indent(textwrap.dedent(body), "    "))
     port = free_port()
     procs = [start([sys.executable, "-c", code], env=clean_env(
         RANK=r, WORLD_SIZE=ranks, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(ranks)]
