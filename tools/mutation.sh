@@ -47,6 +47,12 @@ test-command = "bash $work/tests.sh $file"
 [cosmic-ray.distributor]
 name = "local"
 EOF
+# Unmutated, the tests must pass: else every mutant would count as killed (torch not installed).
+if ! bash "$work/tests.sh" "$file"; then
+    echo "tools/mutation.sh: error: the tests fail on the unmutated $file; expected them to pass" \
+        "(run them: python3 -m pytest tests/test_guard.py test_gather.py)" >&2
+    exit 1
+fi
 cd "$work/repo"
 cosmic-ray init "$work/config.toml" "$work/session.sqlite"
 if [[ -n $sample ]]; then
