@@ -1,6 +1,7 @@
 """Tests of guard.py: what needs no process group in this one process, each in milliseconds (or
 a Python process of its own, to see what a fresh one reads or how it exits); what gathers, on a
-gloo group of one in this process, and where ranks must disagree, on 3 real processes."""
+gloo group of one in this process, and where ranks must disagree, on 3 real processes. In
+guard.py's order, under its headings."""
 import copy
 import os
 import signal
@@ -23,96 +24,6 @@ from conftest import ROOT, clean_env, finish, free_port, kill_tree, load, noise_
 pytestmark = [pytest.mark.timeout(120), pytest.mark.quick]
 
 
-class Versioned(nn.Linear):
-    """A module whose state dict format changed: its loader reads the version it was saved at."""
-    _version = 3
-    loaded_versions = []
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
-        Versioned.loaded_versions.append(local_metadata.get("version"))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
-
-
-def test_on_host_keeps_the_module_versions_of_a_state_dict(tmp_path):
-    # The copy that the writer thread saves must keep the state dict's _metadata, or a module like
-    # Versioned would load its own checkpoint as if it were of an old format.
-    state = guard.on_host({"model": Versioned(2, 2).state_dict(), "step": 7})
-    guard.write_atomically(state, tmp_path / "last.pt")
-    saved = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
-    Versioned.loaded_versions.clear()
-    Versioned(2, 2).load_state_dict(saved["model"])
-    assert Versioned.loaded_versions == [3] and saved["step"] == 7
-
-
-def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
-    # JPEG (also grayscale and CMYK) and PNG (also with alpha) by torchvision.io, BMP by PIL: 3-channel uint8, the
-    # pixels PIL gives (JPEG within one level: two libjpeg builds); damaged files raise UnreadableImage naming the file.
-    pixels = noise_image(24, 40)(0, 0).numpy()
-    for name, mode, tolerance in [("rgb.jpg", "RGB", 1), ("gray.jpg", "L", 1), ("cmyk.jpg", "CMYK", 1),
-                                  ("rgba.png", "RGBA", 0), ("palette.png", "P", 0), ("rgb.bmp", "RGB", 0)]:
-        Image.fromarray(pixels).convert(mode).save(tmp_path / name, quality=95)
-        image = guard.read_image(tmp_path / name)
-        want = torch.from_numpy(np.array(Image.open(tmp_path / name).convert("RGB"))).permute(2, 0, 1)
-        assert image.dtype == torch.uint8 and image.shape == (3, 24, 40), name
-        assert (image.int() - want.int()).abs().max() <= tolerance, name
-    jpeg = (tmp_path / "rgb.jpg").read_bytes()
-    (tmp_path / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
-    (tmp_path / "text.jpg").write_text("not an image")
-    for name, reason in [("truncated.jpg", "truncated"), ("text.jpg", "cannot identify image file")]:
-        with pytest.raises(guard.UnreadableImage, match=f"{tmp_path / name} .*{reason}"):
-            guard.read_image(tmp_path / name)
-
-
-@pytest.mark.skipif(not hasattr(torch, "_fused_sgd_"), reason="this torch has no fused SGD kernel on the CPU")
-def test_settle_momentum_buffers_keeps_fused_sgd_right_after_a_skipped_step():
-    # The CPU's fused SGD kernel, as CUDA's: a first step that the GradScaler skips (an inf in the
-    # gradients) must leave the next steps as plain SGD takes them.
-    def trained(fused):
-        torch.manual_seed(0)
-        model = nn.Linear(8, 4)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
-        guard.settle_momentum_buffers(optimizer)
-        scaler = torch.amp.GradScaler("cpu")
-        for x in [torch.full((2, 8), float("inf")), torch.ones(2, 8), -torch.ones(2, 8)]:
-            optimizer.zero_grad()
-            scaler.scale(model(x).square().mean()).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        return model.state_dict()
-
-    fused, plain = trained(fused=True), trained(fused=False)
-    for key in plain:
-        torch.testing.assert_close(fused[key], plain[key], msg=key)
-
-
-COLLECTIVE_FAILED = """
-import atexit, sys, types
-import torch.distributed as dist
-import guard
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-atexit.register(print, "Python's clean-up ran")  # which a broken group can block
-guard.collective_failed(RuntimeError(sys.argv[1]), types.SimpleNamespace(collective_timeout=600))
-"""
-
-
-@pytest.mark.parametrize("text", [f"{words}\nException raised from checkAndAbortIfTimedOutOrError"
-                                  for words in guard.NCCL2_FAILURES])
-def test_collective_failed_takes_nccl2s_runtime_error_for_a_rank_gone(text):
-    # torch 2.15's ProcessGroupNCCL2 raises a RuntimeError at the collective after a timeout, not the old class's
-    # DistBackendError: still one line from the rank, and exit 1, not a traceback.
-    result = run([sys.executable, "-c", COLLECTIVE_FAILED, text], env=clean_env(), cwd=ROOT, timeout=60)
-    assert result.returncode == 1 and result.stdout == "", result.stderr
-    assert result.stderr.splitlines() == [
-        "train_ddp.py: error: rank 0: a collective failed: another rank stopped, or stopped answering for "
-        f"--collective-timeout 600 s; look for its own error ({text.splitlines()[0]})"]
-
-
-def test_collective_failed_raises_any_other_error_as_it_is():
-    result = run([sys.executable, "-c", COLLECTIVE_FAILED, "CUDA out of memory"], env=clean_env(), cwd=ROOT,
-                 timeout=60)
-    assert result.returncode == 1 and result.stderr.splitlines()[-1].endswith("RuntimeError: CUDA out of memory")
-
-
 def exit_of(call, capsys):
     """The exit code and stderr of a call that must end the process (guard's fail or rank_error)."""
     with pytest.raises(SystemExit) as ended:
@@ -128,6 +39,42 @@ def world_of_one():
     dist.destroy_process_group()
 
 
+GLOO_WORLD = """
+import functools, os, signal, sys, types
+import torch
+import torch.distributed as dist
+import guard
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+try:
+{body}
+except SystemExit as ended:
+    code = ended.code
+else:
+    code = 0
+# Past Python's clean-up, which can abort on a gloo group whose peers have gone.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
+def in_gloo_world(body, ranks=3):
+    """Each of `ranks` real processes joins a gloo group, then runs `body`; their results by rank.
+    LOCAL_RANK is the rank, as on one machine: only rank 0 says what fail() says."""
+    code = GLOO_WORLD.format(body=textwrap.indent(textwrap.dedent(body), "    "))
+    port = free_port()
+    procs = [start([sys.executable, "-c", code], env=clean_env(
+        RANK=r, WORLD_SIZE=ranks, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(ranks)]
+    try:
+        return [finish(proc, 60) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc)
+
+
+# ------------------------------------------------------------------------- one-line failures
 def test_local_world_size_reads_torchrun_then_the_most_srun_tasks_on_a_node(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
@@ -151,6 +98,32 @@ def test_world_from_env_reads_torchrun_then_an_srun_task(monkeypatch):
     assert guard.world_from_env() == (1, 2)
 
 
+def test_stop_on_problems_says_it_and_exits_1(world_of_one, capsys):
+    guard.stop_on_problems(None)
+    code, err = exit_of(lambda: guard.stop_on_problems("cannot read x.jpg"), capsys)
+    assert code == 1 and err == "train_ddp.py: error: rank 0: cannot read x.jpg\n"
+
+
+def test_stop_on_problems_stops_every_rank_and_rank_0_says_who():
+    ranks = in_gloo_world("""
+        guard.stop_on_problems(None)
+        guard.stop_on_problems("cannot read x.jpg" if rank == 1 else None)
+    """)
+    assert [r.returncode for r in ranks] == [1, 1, 1]
+    assert [r.stderr for r in ranks] == ["train_ddp.py: error: rank 0: stopping: rank 1 failed (see above)\n",
+                                         "train_ddp.py: error: rank 1: cannot read x.jpg\n", ""]
+
+
+def test_load_file_names_a_missing_or_unreadable_file(tmp_path, capsys):
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    code, err = exit_of(lambda: guard.load_file(tmp_path / "none.pt", "--resume", "checkpoint"), capsys)
+    assert code == 2
+    assert err == f"train_ddp.py: error: --resume {tmp_path}/none.pt: no such file; expected a checkpoint\n"
+    code, err = exit_of(lambda: guard.load_file(tmp_path / "bad.pt", "--resume", "checkpoint"), capsys)
+    assert code == 2 and f"--resume {tmp_path}/bad.pt: not a readable checkpoint (UnpicklingError: " in err
+
+
+# -------------------------------------------------------------------- arguments and files
 def test_settle_args_completes_the_devices_defaults_and_the_backend():
     args = train_ddp.parse_args(["--arch", "resnet18"])
     for name, value in train_ddp.DEVICE_DEFAULTS["cpu"].items():
@@ -204,6 +177,22 @@ def test_check_args_rejects_each_bad_value_with_one_line(argv, capsys):
     assert err.startswith("train_ddp.py: error: ") and CHECK_ARGS_FAILURES[argv] in err, err
 
 
+def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
+    guard.check_writable(tmp_path / "new" / "deeper", "--checkpoint-dir")
+    (tmp_path / "a_file").write_text("")
+    code, err = exit_of(lambda: guard.check_writable(tmp_path / "a_file" / "ck", "--metrics-file"), capsys)
+    assert code == 2 and f"--metrics-file: cannot write under {tmp_path}/a_file;" in err
+
+
+def test_check_shared_memory_counts_each_workers_two_batches_and_the_steps(capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
+    train_ddp.parse_args(["--arch", "resnet18", "--workers", "2"])
+    argv = ["--workers", "30", "--accum-steps", "4", "--batch-size", "8192", "--image-size", "224"]
+    code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
+    assert code == 2 and "--workers 30: 1 process(es) x 64 batches of 1176 MB need 75264 MB of /dev/shm" in err, err
+
+
 def test_check_image_folder_wants_images_and_the_same_classes_in_both_splits(tmp_path, capsys):
     write_images(tmp_path / "data", noise_image(8, 8), ["cat", "dog"], {"train": 1, "val": 1})
     guard.check_image_folder(tmp_path / "data")
@@ -223,6 +212,7 @@ def test_num_classes_counts_the_train_folders(tmp_path):
     assert guard.num_classes(train_ddp.parse_args(["--arch", "resnet18", "--num-classes", "7"])) == 7
 
 
+# ------------------------------------------------------------------------------ --weights
 def test_weights_for_takes_every_layer_but_a_classifier_of_another_size(tmp_path):
     torch.manual_seed(0)
     theirs = torchvision.models.resnet18(num_classes=1000).state_dict()
@@ -264,29 +254,34 @@ def test_weights_for_refuses_weights_that_do_not_fit(case, tmp_path, capsys):
     assert code == 2 and f"--weights {tmp_path}/w.pt does not fit --arch resnet18: {message}" in err, err
 
 
-def test_load_file_names_a_missing_or_unreadable_file(tmp_path, capsys):
-    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    code, err = exit_of(lambda: guard.load_file(tmp_path / "none.pt", "--resume", "checkpoint"), capsys)
-    assert code == 2
-    assert err == f"train_ddp.py: error: --resume {tmp_path}/none.pt: no such file; expected a checkpoint\n"
-    code, err = exit_of(lambda: guard.load_file(tmp_path / "bad.pt", "--resume", "checkpoint"), capsys)
-    assert code == 2 and f"--resume {tmp_path}/bad.pt: not a readable checkpoint (UnpicklingError: " in err
+def test_fetch_weights_takes_them_from_the_hub_cache(world_of_one, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
+    cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"placed by hand")
+    guard.fetch_weights(args)  # no download: without a network it would fail
+    assert cached.read_bytes() == b"placed by hand"
 
 
-def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
-    guard.check_writable(tmp_path / "new" / "deeper", "--checkpoint-dir")
-    (tmp_path / "a_file").write_text("")
-    code, err = exit_of(lambda: guard.check_writable(tmp_path / "a_file" / "ck", "--metrics-file"), capsys)
-    assert code == 2 and f"--metrics-file: cannot write under {tmp_path}/a_file;" in err
-
-
-def test_check_shared_memory_counts_each_workers_two_batches_and_the_steps(capsys, monkeypatch):
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
-    train_ddp.parse_args(["--arch", "resnet18", "--workers", "2"])
-    argv = ["--workers", "30", "--accum-steps", "4", "--batch-size", "8192", "--image-size", "224"]
-    code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
-    assert code == 2 and "--workers 30: 1 process(es) x 64 batches of 1176 MB need 75264 MB of /dev/shm" in err, err
+# --------------------------------------------------------------------------------- images
+def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
+    # JPEG (also grayscale and CMYK) and PNG (also with alpha) by torchvision.io, BMP by PIL: 3-channel uint8, the
+    # pixels PIL gives (JPEG within one level: two libjpeg builds); damaged files raise UnreadableImage naming the file.
+    pixels = noise_image(24, 40)(0, 0).numpy()
+    for name, mode, tolerance in [("rgb.jpg", "RGB", 1), ("gray.jpg", "L", 1), ("cmyk.jpg", "CMYK", 1),
+                                  ("rgba.png", "RGBA", 0), ("palette.png", "P", 0), ("rgb.bmp", "RGB", 0)]:
+        Image.fromarray(pixels).convert(mode).save(tmp_path / name, quality=95)
+        image = guard.read_image(tmp_path / name)
+        want = torch.from_numpy(np.array(Image.open(tmp_path / name).convert("RGB"))).permute(2, 0, 1)
+        assert image.dtype == torch.uint8 and image.shape == (3, 24, 40), name
+        assert (image.int() - want.int()).abs().max() <= tolerance, name
+    jpeg = (tmp_path / "rgb.jpg").read_bytes()
+    (tmp_path / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    (tmp_path / "text.jpg").write_text("not an image")
+    for name, reason in [("truncated.jpg", "truncated"), ("text.jpg", "cannot identify image file")]:
+        with pytest.raises(guard.UnreadableImage, match=f"{tmp_path / name} .*{reason}"):
+            guard.read_image(tmp_path / name)
 
 
 def test_unreadable_takes_the_path_from_a_dataloader_workers_text():
@@ -296,6 +291,7 @@ def test_unreadable_takes_the_path_from_a_dataloader_workers_text():
     assert guard.unreadable(guard.UnreadableImage("/d/y.png (SyntaxError: bad)")).startswith("cannot read /d/y.png")
 
 
+# ----------------------------------------------------------------- the device, the process group
 NCCL_VARIABLES = ["TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
                   "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
 
@@ -346,167 +342,32 @@ def test_init_failure_says_what_to_change(monkeypatch):
     assert gloo.endswith("set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on)")
 
 
-def test_check_finite_loss_stops_on_nan_and_inf(tmp_path, capsys):
-    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path)])
-    run = types.SimpleNamespace(epoch=1, step=40)
-    guard.check_finite_loss(2.5, run, args)
-    for loss in [float("nan"), float("inf")]:
-        code, err = exit_of(lambda: guard.check_finite_loss(loss, run, args), capsys)
-        assert code == 1 and err == (f"train_ddp.py: error: the loss is {loss} at epoch 2 step 40: training "
-                                     f"diverged; lower --lr (0.005 now) or check the data; {tmp_path}/last.pt is "
-                                     "unchanged\n")
-
-
-def test_on_host_copies_tensors_in_nested_dicts_and_lists():
-    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": [torch.zeros(1), 5]}, "args": {"lr": 0.1}}
-    host = guard.on_host(state)
-    state["model"]["w"].add_(1)
-    state["optimizer"]["state"][0].add_(1)
-    assert torch.equal(host["model"]["w"], torch.ones(2))
-    assert torch.equal(host["optimizer"]["state"][0], torch.zeros(1))
-    assert host["optimizer"]["state"][1] == 5 and host["args"] == {"lr": 0.1}
-
-
-def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
-    guard.write_atomically({"step": 1}, tmp_path / "ck" / "last.pt")
-    guard.write_atomically({"step": 2}, tmp_path / "ck" / "last.pt")
-    assert load(tmp_path / "ck" / "last.pt") == {"step": 2}
-    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["last.pt"]
-
-
-def test_write_atomically_ends_the_process_with_one_line_when_it_cannot_write(tmp_path):
-    (tmp_path / "a_file").write_text("")
-    code = f"import pathlib, guard; guard.write_atomically({{}}, pathlib.Path({str(tmp_path)!r}, 'a_file', 'last.pt'))"
-    result = run([sys.executable, "-c", code], env=clean_env(), cwd=ROOT, timeout=60)
-    assert result.returncode == 1 and result.stderr.startswith(
-        f"train_ddp.py: error: rank 0: could not write {tmp_path}/a_file/last.pt (FileExistsError: "), result.stderr
-    assert result.stderr.count("\n") == 1
-
-
-def test_fetch_weights_takes_them_from_the_hub_cache(world_of_one, tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
-    cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(b"placed by hand")
-    guard.fetch_weights(args)  # no download: without a network it would fail
-    assert cached.read_bytes() == b"placed by hand"
-
-
-def test_checkpoint_writer_writes_each_state_as_it_was_when_given(tmp_path):
-    state = {"w": torch.zeros(3)}
-    with guard.CheckpointWriter() as writer:
-        writer.write(state, tmp_path / "a.pt")
-        state["w"].add_(1)
-        writer.write(state, tmp_path / "b.pt")
-        state["w"].add_(1)
-    assert torch.equal(load(tmp_path / "a.pt")["w"], torch.zeros(3))
-    assert torch.equal(load(tmp_path / "b.pt")["w"], torch.ones(3))
-
-
-def test_settle_momentum_buffers_gives_zeros_where_missing_in_the_parameters_layout():
-    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
-    optimizer.state[conv.weight]["momentum_buffer"] = torch.ones(4, 3, 3, 3)  # a contiguous one, as loaded
-    guard.settle_momentum_buffers(optimizer)
-    weight, bias = (optimizer.state[p]["momentum_buffer"] for p in [conv.weight, conv.bias])
-    assert weight.is_contiguous(memory_format=torch.channels_last) and torch.equal(weight, torch.ones(4, 3, 3, 3))
-    assert torch.equal(bias, torch.zeros(4))
-    plain = torch.optim.SGD(conv.parameters(), lr=0.1)
-    guard.settle_momentum_buffers(plain)
-    assert not any(plain.state[p] for p in conv.parameters())
-
-
-def test_stop_on_problems_says_it_and_exits_1(world_of_one, capsys):
-    guard.stop_on_problems(None)
-    code, err = exit_of(lambda: guard.stop_on_problems("cannot read x.jpg"), capsys)
-    assert code == 1 and err == "train_ddp.py: error: rank 0: cannot read x.jpg\n"
-
-
-def test_stop_agreement_stops_on_a_sigterm_and_exits_on_a_problem(world_of_one, capsys):
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        stop = guard.StopAgreement()
-        assert not stop.agreed()
-        os.kill(os.getpid(), signal.SIGTERM)
-        stop.send()
-        assert stop.agreed() and stop.stopped and not stop.ending
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM cannot kill it
-        stop.send("cannot read x.jpg")
-        code, err = exit_of(stop.agreed, capsys)
-        assert code == 1 and "rank 0: cannot read x.jpg" in err
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-def test_replica_checksums_stop_on_weights_gone_nan(world_of_one, tmp_path, capsys):
-    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path)])
-    run = types.SimpleNamespace(model=nn.Linear(2, 2), epoch=0, step=3)
-    assert len(guard.replica_checksums(run, args)) == 1
-    with torch.no_grad():
-        run.model.bias[0] = float("nan")
-    code, err = exit_of(lambda: guard.replica_checksums(run, args), capsys)
-    assert code == 1 and "the model's weights are not finite at epoch 1 step 3 (checksums per rank: [nan])" in err
-
-
-@pytest.mark.parametrize("momentum", [0.1, None])
-def test_cpu_sync_batch_norm_matches_batch_norm_in_a_world_of_one(momentum, world_of_one):
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=momentum))
-    plain[1].weight.data.uniform_(0.5, 1.5)
-    plain[1].bias.data.uniform_(-1, 1)
-    synced = guard.convert_to_cpu_sync_bn(copy.deepcopy(plain))
-    assert isinstance(synced[1], guard.CPUSyncBatchNorm) and synced.state_dict().keys() == plain.state_dict().keys()
-    for step in range(3):
-        x = torch.randn(5, 3, 6, 6) * (step + 1) + step
-        outputs = []
-        for model in [plain, synced]:
-            model.zero_grad()
-            outputs.append(model(x))
-            outputs[-1].pow(3).mean().backward()
-        torch.testing.assert_close(outputs[1], outputs[0])
-        for (name, a), b in zip(plain.named_parameters(), synced.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, msg=name)
-    for name, buffer in plain.state_dict().items():
-        torch.testing.assert_close(synced.state_dict()[name], buffer, msg=name)
-    plain.eval()
-    synced.eval()
-    torch.testing.assert_close(synced(x), plain(x))
-
-
-GLOO_WORLD = """
-import functools, os, signal, sys, types
-import torch
+COLLECTIVE_FAILED = """
+import atexit, sys, types
 import torch.distributed as dist
 import guard
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-try:
-{body}
-except SystemExit as ended:
-    code = ended.code
-else:
-    code = 0
-# Past Python's clean-up, which can abort on a gloo group whose peers have gone.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+atexit.register(print, "Python's clean-up ran")  # which a broken group can block
+guard.collective_failed(RuntimeError(sys.argv[1]), types.SimpleNamespace(collective_timeout=600))
 """
 
 
-def in_gloo_world(body, ranks=3):
-    """Each of `ranks` real processes joins a gloo group, then runs `body`; their results by rank.
-    LOCAL_RANK is the rank, as on one machine: only rank 0 says what fail() says."""
-    code = GLOO_WORLD.format(body=textwrap.indent(textwrap.dedent(body), "    "))
-    port = free_port()
-    procs = [start([sys.executable, "-c", code], env=clean_env(
-        RANK=r, WORLD_SIZE=ranks, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(ranks)]
-    try:
-        return [finish(proc, 60) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_tree(proc)
+@pytest.mark.parametrize("text", [f"{words}\nException raised from checkAndAbortIfTimedOutOrError"
+                                  for words in guard.NCCL2_FAILURES])
+def test_collective_failed_takes_nccl2s_runtime_error_for_a_rank_gone(text):
+    # torch 2.15's ProcessGroupNCCL2 raises a RuntimeError at the collective after a timeout, not the old class's
+    # DistBackendError: still one line from the rank, and exit 1, not a traceback.
+    result = run([sys.executable, "-c", COLLECTIVE_FAILED, text], env=clean_env(), cwd=ROOT, timeout=60)
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    assert result.stderr.splitlines() == [
+        "train_ddp.py: error: rank 0: a collective failed: another rank stopped, or stopped answering for "
+        f"--collective-timeout 600 s; look for its own error ({text.splitlines()[0]})"]
+
+
+def test_collective_failed_raises_any_other_error_as_it_is():
+    result = run([sys.executable, "-c", COLLECTIVE_FAILED, "CUDA out of memory"], env=clean_env(), cwd=ROOT,
+                 timeout=60)
+    assert result.returncode == 1 and result.stderr.splitlines()[-1].endswith("RuntimeError: CUDA out of memory")
 
 
 def test_check_same_start_stops_every_rank_naming_each_start():
@@ -521,14 +382,25 @@ def test_check_same_start_stops_every_rank_naming_each_start():
     assert "; rank 2: a fresh start); give every node the same --resume file" in ranks[0].stderr
 
 
-def test_stop_on_problems_stops_every_rank_and_rank_0_says_who():
-    ranks = in_gloo_world("""
-        guard.stop_on_problems(None)
-        guard.stop_on_problems("cannot read x.jpg" if rank == 1 else None)
-    """)
-    assert [r.returncode for r in ranks] == [1, 1, 1]
-    assert [r.stderr for r in ranks] == ["train_ddp.py: error: rank 0: stopping: rank 1 failed (see above)\n",
-                                         "train_ddp.py: error: rank 1: cannot read x.jpg\n", ""]
+def test_check_finite_loss_stops_on_nan_and_inf(tmp_path, capsys):
+    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path)])
+    run = types.SimpleNamespace(epoch=1, step=40)
+    guard.check_finite_loss(2.5, run, args)
+    for loss in [float("nan"), float("inf")]:
+        code, err = exit_of(lambda: guard.check_finite_loss(loss, run, args), capsys)
+        assert code == 1 and err == (f"train_ddp.py: error: the loss is {loss} at epoch 2 step 40: training "
+                                     f"diverged; lower --lr (0.005 now) or check the data; {tmp_path}/last.pt is "
+                                     "unchanged\n")
+
+
+def test_replica_checksums_stop_on_weights_gone_nan(world_of_one, tmp_path, capsys):
+    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path)])
+    run = types.SimpleNamespace(model=nn.Linear(2, 2), epoch=0, step=3)
+    assert len(guard.replica_checksums(run, args)) == 1
+    with torch.no_grad():
+        run.model.bias[0] = float("nan")
+    code, err = exit_of(lambda: guard.replica_checksums(run, args), capsys)
+    assert code == 1 and "the model's weights are not finite at epoch 1 step 3 (checksums per rank: [nan])" in err
 
 
 def test_replica_checksums_see_values_moved_between_tensors_on_one_rank():
@@ -546,6 +418,23 @@ def test_replica_checksums_see_values_moved_between_tensors_on_one_rank():
     assert "error: the model replicas diverged (parameter checksums per rank: [" in ranks[0].stderr
     checksums = ranks[0].stderr.split("[")[1].split("]")[0].split(", ")
     assert checksums[0] == checksums[1] != checksums[2], ranks[0].stderr
+
+
+# ------------------------------------------------------------------------- stopping together
+def test_stop_agreement_stops_on_a_sigterm_and_exits_on_a_problem(world_of_one, capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop = guard.StopAgreement()
+        assert not stop.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop.send()
+        assert stop.agreed() and stop.stopped and not stop.ending
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM cannot kill it
+        stop.send("cannot read x.jpg")
+        code, err = exit_of(stop.agreed, capsys)
+        assert code == 1 and "rank 0: cannot read x.jpg" in err
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @pytest.mark.parametrize("on_the_rendezvous_host", [True, False])
@@ -571,6 +460,126 @@ def test_stop_agreement_stops_every_rank_for_one_ranks_sigterm(on_the_rendezvous
         assert [r.returncode for r in ranks] == [1, 0, 1] and ranks[0].seconds > guard.ELASTIC_WAIT, ranks
         assert "another node left the elastic job (a SIGTERM there, none here in 10 s): exit 1" in ranks[0].stderr
     assert ranks[1].stderr == ranks[2].stderr == ""
+
+
+# ------------------------------------------------------------------------ checkpoint writes
+def test_checkpoint_writer_writes_each_state_as_it_was_when_given(tmp_path):
+    state = {"w": torch.zeros(3)}
+    with guard.CheckpointWriter() as writer:
+        writer.write(state, tmp_path / "a.pt")
+        state["w"].add_(1)
+        writer.write(state, tmp_path / "b.pt")
+        state["w"].add_(1)
+    assert torch.equal(load(tmp_path / "a.pt")["w"], torch.zeros(3))
+    assert torch.equal(load(tmp_path / "b.pt")["w"], torch.ones(3))
+
+
+def test_on_host_copies_tensors_in_nested_dicts_and_lists():
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": [torch.zeros(1), 5]}, "args": {"lr": 0.1}}
+    host = guard.on_host(state)
+    state["model"]["w"].add_(1)
+    state["optimizer"]["state"][0].add_(1)
+    assert torch.equal(host["model"]["w"], torch.ones(2))
+    assert torch.equal(host["optimizer"]["state"][0], torch.zeros(1))
+    assert host["optimizer"]["state"][1] == 5 and host["args"] == {"lr": 0.1}
+
+
+class Versioned(nn.Linear):
+    """A module whose state dict format changed: its loader reads the version it was saved at."""
+    _version = 3
+    loaded_versions = []
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        Versioned.loaded_versions.append(local_metadata.get("version"))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def test_on_host_keeps_the_module_versions_of_a_state_dict(tmp_path):
+    # The copy that the writer thread saves must keep the state dict's _metadata, or a module like
+    # Versioned would load its own checkpoint as if it were of an old format.
+    state = guard.on_host({"model": Versioned(2, 2).state_dict(), "step": 7})
+    guard.write_atomically(state, tmp_path / "last.pt")
+    saved = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
+    Versioned.loaded_versions.clear()
+    Versioned(2, 2).load_state_dict(saved["model"])
+    assert Versioned.loaded_versions == [3] and saved["step"] == 7
+
+
+def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    guard.write_atomically({"step": 1}, tmp_path / "ck" / "last.pt")
+    guard.write_atomically({"step": 2}, tmp_path / "ck" / "last.pt")
+    assert load(tmp_path / "ck" / "last.pt") == {"step": 2}
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["last.pt"]
+
+
+def test_write_atomically_ends_the_process_with_one_line_when_it_cannot_write(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    code = f"import pathlib, guard; guard.write_atomically({{}}, pathlib.Path({str(tmp_path)!r}, 'a_file', 'last.pt'))"
+    result = run([sys.executable, "-c", code], env=clean_env(), cwd=ROOT, timeout=60)
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"train_ddp.py: error: rank 0: could not write {tmp_path}/a_file/last.pt (FileExistsError: "), result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_settle_momentum_buffers_gives_zeros_where_missing_in_the_parameters_layout():
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+    optimizer.state[conv.weight]["momentum_buffer"] = torch.ones(4, 3, 3, 3)  # a contiguous one, as loaded
+    guard.settle_momentum_buffers(optimizer)
+    weight, bias = (optimizer.state[p]["momentum_buffer"] for p in [conv.weight, conv.bias])
+    assert weight.is_contiguous(memory_format=torch.channels_last) and torch.equal(weight, torch.ones(4, 3, 3, 3))
+    assert torch.equal(bias, torch.zeros(4))
+    plain = torch.optim.SGD(conv.parameters(), lr=0.1)
+    guard.settle_momentum_buffers(plain)
+    assert not any(plain.state[p] for p in conv.parameters())
+
+
+@pytest.mark.skipif(not hasattr(torch, "_fused_sgd_"), reason="this torch has no fused SGD kernel on the CPU")
+def test_settle_momentum_buffers_keeps_fused_sgd_right_after_a_skipped_step():
+    # The CPU's fused SGD kernel, as CUDA's: a first step that the GradScaler skips (an inf in the
+    # gradients) must leave the next steps as plain SGD takes them.
+    def trained(fused):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+        guard.settle_momentum_buffers(optimizer)
+        scaler = torch.amp.GradScaler("cpu")
+        for x in [torch.full((2, 8), float("inf")), torch.ones(2, 8), -torch.ones(2, 8)]:
+            optimizer.zero_grad()
+            scaler.scale(model(x).square().mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return model.state_dict()
+
+    fused, plain = trained(fused=True), trained(fused=False)
+    for key in plain:
+        torch.testing.assert_close(fused[key], plain[key], msg=key)
+
+
+# ----------------------------------------------------------------------- hooks and batch norm
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_cpu_sync_batch_norm_matches_batch_norm_in_a_world_of_one(momentum, world_of_one):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=momentum))
+    plain[1].weight.data.uniform_(0.5, 1.5)
+    plain[1].bias.data.uniform_(-1, 1)
+    synced = guard.convert_to_cpu_sync_bn(copy.deepcopy(plain))
+    assert isinstance(synced[1], guard.CPUSyncBatchNorm) and synced.state_dict().keys() == plain.state_dict().keys()
+    for step in range(3):
+        x = torch.randn(5, 3, 6, 6) * (step + 1) + step
+        outputs = []
+        for model in [plain, synced]:
+            model.zero_grad()
+            outputs.append(model(x))
+            outputs[-1].pow(3).mean().backward()
+        torch.testing.assert_close(outputs[1], outputs[0])
+        for (name, a), b in zip(plain.named_parameters(), synced.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, msg=name)
+    for name, buffer in plain.state_dict().items():
+        torch.testing.assert_close(synced.state_dict()[name], buffer, msg=name)
+    plain.eval()
+    synced.eval()
+    torch.testing.assert_close(synced(x), plain(x))
 
 
 def test_cpu_sync_batch_norm_over_ranks_matches_batch_norm_over_the_whole_batch():
