@@ -4,6 +4,7 @@ gloo group of one in this process, and where ranks must disagree, on 3 real proc
 guard.py's order, under its headings."""
 import copy
 import os
+import shutil
 import signal
 import sys
 import textwrap
@@ -191,6 +192,8 @@ def test_check_shared_memory_counts_each_workers_two_batches_and_the_steps(capsy
     argv = ["--workers", "30", "--accum-steps", "4", "--batch-size", "8192", "--image-size", "224"]
     code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
     assert code == 2 and "--workers 30: 1 process(es) x 64 batches of 1176 MB need 75264 MB of /dev/shm" in err, err
+    free_mb = float(err.split("which has ")[1].split(" MB free")[0])  # df's, give or take others' writes
+    assert free_mb == pytest.approx(shutil.disk_usage("/dev/shm").free / 2**20, rel=0.01, abs=1), err
 
 
 def test_check_image_folder_wants_images_and_the_same_classes_in_both_splits(tmp_path, capsys):
