@@ -192,7 +192,8 @@ def test_check_shared_memory_counts_each_workers_two_batches_and_the_steps(capsy
     argv = ["--workers", "30", "--accum-steps", "4", "--batch-size", "8192", "--image-size", "224"]
     code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
     assert code == 2 and "--workers 30: 1 process(es) x 64 batches of 1176 MB need 75264 MB of /dev/shm" in err, err
-    free_mb = float(err.split("which has ")[1].split(" MB free")[0])  # df's, give or take others' writes
+    # The line's free space is what df shows; approx, for other processes may write to /dev/shm meanwhile.
+    free_mb = float(err.split("which has ")[1].split(" MB free")[0])
     assert free_mb == pytest.approx(shutil.disk_usage("/dev/shm").free / 2**20, rel=0.01, abs=1), err
 
 
