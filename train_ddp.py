@@ -425,8 +425,8 @@ def learning_rate(run, args):
     --epochs. Placed by the images trained, not the steps: a resume at another world size or
     batch goes on along the same curve."""
     epochs_done = run.epoch + run.samples / (run.steps_per_epoch * run.images_per_step)
-    if epochs_done < args.warmup_epochs:  # the first step already at 1 / warm-up steps of --lr
-        return args.lr * (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs
+    if epochs_done < args.warmup_epochs:  # the first step at 1 / warm-up steps of --lr, none above
+        return args.lr * min(1, (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs)
     progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
     return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 

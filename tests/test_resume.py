@@ -52,6 +52,25 @@ def test_rest_of_epoch_trains_each_image_of_the_epoch_once_at_another_world_size
         assert sorted(uninterrupted) == sorted(seen)
 
 
+@pytest.mark.parametrize("warmup_epochs, samples, steps", [(0.3, 0, 21), (1, 112, 12)], ids=["fractional", "resumed"])
+def test_learning_rate_warms_up_to_lr_and_never_above_it(warmup_epochs, samples, steps):
+    # The warm-up's last step can end past --warmup-epochs: a warm-up of 0.3 epochs of 21 steps of 12 images, or a
+    # resume after 112 images of 256 at 3 ranks x 4 (rest_of_epoch's 12 steps, to 256 images where 21 steps make
+    # 252). That step takes --lr, not more; then the cosine.
+    args = SimpleNamespace(lr=0.1, epochs=2, warmup_epochs=warmup_epochs)
+    run = SimpleNamespace(epoch=0, samples=samples, steps_per_epoch=21, images_per_step=12)
+    rates = []
+    for run.epoch, steps_left in enumerate([steps, 21]):
+        for _ in range(steps_left):
+            rates.append(train_ddp.learning_rate(run, args))
+            run.samples += run.images_per_step
+        run.samples = 0
+    peak = rates.index(max(rates))
+    assert max(rates) == pytest.approx(args.lr) and max(rates) <= args.lr, rates
+    assert rates[0] == pytest.approx(args.lr * (samples / 252 + 1 / 21) / warmup_epochs)
+    assert rates[:peak + 1] == sorted(rates[:peak + 1]) and rates[peak:] == sorted(rates[peak:], reverse=True)
+
+
 def test_load_checkpoint_reads_the_jobs_last_pt_once(tmp_path):
     # A restart resumes from its job's own last.pt: the file that decides it is this job's is the one
     # loaded, read once (a ResNet-50's is 190 MB, read by every rank of every node).
