@@ -152,7 +152,7 @@ def check_args(args):
                           ("--collective-timeout", args.collective_timeout)]:
         if seconds <= 0:
             fail(f"{flag} must be a positive number of seconds, got {seconds}")
-    check_arch_trains(args.arch, args.image_size, training=not args.evaluate)
+    check_arch_trains(args)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
@@ -180,22 +180,27 @@ def check_args(args):
     check_shared_memory(args)
 
 
-def check_arch_trains(arch, image_size, training):
-    """A forward on the meta device (shapes only): a model that cannot train at this size, or
-    returns more than logits, fails."""
+def check_arch_trains(args):
+    """A forward on the meta device (shapes only): a model that cannot train at this image size and
+    batch, or returns more than logits, fails."""
+    hint, batch = "a larger --image-size or another --arch", 2
+    if args.batch_size == 1 and not args.sync_bn:  # batch norm needs 2 values per channel, or ranks
+        hint, batch = "--batch-size 2 or more, " + hint, 1
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
         try:
-            model = torchvision.models.get_model(arch, weights=None, num_classes=2)
+            model = torchvision.models.get_model(args.arch, weights=None, num_classes=2)
         except Exception:  # a few (the regnets) compute while they build: not checked
             return
+        images = torch.empty(batch, 3, args.image_size, args.image_size)
         try:
-            out = model.train(training)(torch.empty(2, 3, image_size, image_size))
+            out = model.train(not args.evaluate)(images)
         except Exception as e:
-            fail(f"--arch {arch} cannot train on {image_size} px images ({type(e).__name__}: "
-                 f"{first_line(e)}); expected a larger --image-size or another --arch")
+            fail(f"--arch {args.arch} cannot train on {args.image_size} px images "
+                 f"({type(e).__name__}: {first_line(e)}); expected {hint}")
     if not isinstance(out, torch.Tensor):
-        fail(f"--arch {arch} returns {type(out).__name__}, not logits; expected another --arch")
+        fail(f"--arch {args.arch} returns {type(out).__name__}, not logits; expected another "
+             "--arch")
 
 
 def check_writable(directory, flag):

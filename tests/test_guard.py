@@ -158,6 +158,9 @@ CHECK_ARGS_FAILURES = {
     "--init-timeout 0": "--init-timeout must be a positive number of seconds, got 0",
     "--collective-timeout -1": "--collective-timeout must be a positive number of seconds, got -1",
     "--arch inception_v3 --image-size 32": "--arch inception_v3 cannot train on 32 px images",
+    "--arch resnet18 --batch-size 1": "--arch resnet18 cannot train on 32 px images (ValueError: Expected more than 1 "
+                                      "value per channel when training, got input size torch.Size([1, 512, 1, 1])); "
+                                      "expected --batch-size 2 or more, a larger --image-size or another --arch",
     "--backend nccl": "--backend nccl needs CUDA GPUs and none is visible",
     "--evaluate": "--evaluate needs --resume PATH or --weights",
     "--resume a.pt --weights DEFAULT": "--resume and --weights: a resume continues",
@@ -176,6 +179,12 @@ def test_check_args_rejects_each_bad_value_with_one_line(argv, capsys):
     code, err = exit_of(lambda: train_ddp.parse_args(argv.split()), capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("train_ddp.py: error: ") and CHECK_ARGS_FAILURES[argv] in err, err
+
+
+def test_check_arch_trains_takes_one_image_per_batch_where_batch_norm_still_sees_two_values():
+    # At 64 px ResNet's last batch norm sees 2 x 2 values per channel; --sync-bn, every rank's; --evaluate, none.
+    for argv in ["--image-size 64", "--sync-bn", "--evaluate --resume unread.pt"]:
+        assert train_ddp.parse_args(["--arch", "resnet18", "--batch-size", "1", *argv.split()]).batch_size == 1
 
 
 def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
