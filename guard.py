@@ -243,6 +243,21 @@ def check_image_folder(root):
              f"differ (only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
 
 
+def check_classes(state, args, source):
+    """A checkpoint's model must be for this run's classes, or every rank's load_state_dict fails
+    with a traceback. (The meta device cannot build the regnets: not checked.)"""
+    try:
+        with torch.device("meta"):
+            model = torchvision.models.get_model(args.arch, num_classes=num_classes(args))
+    except NotImplementedError:
+        return
+    for key, tensor in model.state_dict().items():
+        if key in state and state[key].shape != tensor.shape:
+            fail(f"{source}: {key} has shape {list(state[key].shape)}, but --arch {args.arch} for "
+                 f"{num_classes(args)} classes has {list(tensor.shape)}; expected the classes it "
+                 "was trained on (--num-classes, or the class folders of --data)")
+
+
 def num_classes(args):
     """--num-classes, or with --data ImageFolder's classes: the folders in train/."""
     if args.data:

@@ -648,6 +648,7 @@ def load_checkpoint(args):
     if checkpoint["args"]["arch"] != args.arch:
         guard.fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
                    f"{args.arch}")
+    guard.check_classes(checkpoint["model"], args, f"--resume {path}")
     if not args.image_size_given:
         for name in ["image_size", "resize", "interpolation"]:
             setattr(args, name, checkpoint["args"][name])

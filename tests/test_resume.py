@@ -76,7 +76,7 @@ def test_load_checkpoint_reads_the_jobs_last_pt_once(tmp_path):
     # loaded, read once (a ResNet-50's is 190 MB, read by every rank of every node).
     last = tmp_path / "last.pt"
     args = {"arch": "resnet18", "batch_size": 8, "accum_steps": 1, "image_size": 32}
-    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "args": args, "run_id": "job-7"}, last)
+    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "model": {}, "args": args, "run_id": "job-7"}, last)
     code = f"""if True:
         import types, torch, train_ddp
         real_load, reads = torch.load, []
@@ -85,12 +85,28 @@ def test_load_checkpoint_reads_the_jobs_last_pt_once(tmp_path):
             return real_load(*args, **kwargs)
         torch.load = counted
         args = types.SimpleNamespace(checkpoint_dir={str(tmp_path)!r}, evaluate=False, resume=None,
-                                     arch="resnet18", image_size_given=True)
+                                     arch="resnet18", image_size_given=True, data=None, num_classes=10)
         path, checkpoint = train_ddp.load_checkpoint(args)
         print(path, checkpoint["run_id"], len(reads))"""
     env = clean_env(TORCHELASTIC_RUN_ID="job-7", TORCHELASTIC_RESTART_COUNT=1)
     result = ok(run([sys.executable, "-c", code], env=env, cwd=ROOT))
     assert result.stdout.split() == [str(last), "job-7", "1"], result.stdout
+
+
+def test_load_checkpoint_refuses_a_model_for_other_classes_with_one_line(tmp_path, capsys):
+    # Without the check, every rank's load_state_dict raised its size mismatch in the process group.
+    path = tmp_path / "last.pt"
+    model = {"fc.weight": torch.zeros(10, 512), "fc.bias": torch.zeros(10)}
+    args = {"arch": "resnet18", "batch_size": 8, "accum_steps": 1, "image_size": 32}
+    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "model": model, "args": args}, path)
+    argv = ["--arch", "resnet18", "--resume", str(path), "--image-size", "32"]
+    assert train_ddp.load_checkpoint(train_ddp.parse_args(argv))[0] == path
+    with pytest.raises(SystemExit) as exit:
+        train_ddp.load_checkpoint(train_ddp.parse_args(argv + ["--num-classes", "5"]))
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1, err
+    assert (f"--resume {path}: fc.weight has shape [10, 512], but --arch resnet18 for 5 classes has [5, 512]; "
+            "expected the classes it was trained on") in err, err
 
 
 @pytest.mark.parametrize("saved", ["momentum 0", "some buffers"])
