@@ -53,14 +53,25 @@ leave() {  # torchrun stopped first: it can start no worker that the SIGTERMs wo
     workers=$(children "$torchrun_pid")
     for pid in $workers; do kill -TERM "$pid" 2>/dev/null || true; done
     kill -KILL "$torchrun_pid" 2>/dev/null || true
+    wait "$torchrun_pid" 2>/dev/null || true  # reaped here: no "Killed" line from bash
     for pid in $workers; do while running "$pid"; do sleep 0.2; done; done
     exit 143
 }
-stop() { if [[ ${NNODES:-} == *:* && ${RDZV_HOST:-} != 1 ]]; then leave; else forward; fi; }
+stop() {  # once: a second SIGTERM must not cut the first one's stop short
+    trap '' TERM
+    if [[ ${NNODES:-} == *:* && ${RDZV_HOST:-} != 1 ]]; then leave; else forward; fi
+}
 trap 'stopping=1; [[ -z $torchrun_pid ]] || stop' TERM
 
 wait_for_rendezvous() {  # address, port, seconds: until node 0's torchrun listens there, or one line and exit 1
-    if ! timeout "$3" bash -c 'until (exec 3<>"/dev/tcp/$0/$1") 2>/dev/null; do sleep 0.5; done' "$1" "$2"; then
+    local probe status=0
+    if (( stopping )); then exit 143; fi
+    # In the background: a SIGTERM interrupts `wait` at once, not after the timeout.
+    timeout "$3" bash -c 'until (exec 3<>"/dev/tcp/$0/$1") 2>/dev/null; do sleep 0.5; done' "$1" "$2" &
+    probe=$!
+    wait "$probe" || status=$?
+    if (( stopping )); then kill "$probe" 2>/dev/null || true; exit 143; fi
+    if (( status )); then
         echo "launch.sh: error: no rendezvous answered at MASTER_ADDR:MASTER_PORT $1:$2 within INIT_TIMEOUT $3 s;" \
             "expected launch.sh running on the node that holds $1 (it hosts the rendezvous), reachable from here" >&2
         exit 1
@@ -84,9 +95,9 @@ if [[ -n ${NNODES:-} ]]; then
         exit 2
     fi
 fi
-for name in INIT_TIMEOUT LAST_CALL MAX_RESTARTS; do
-    if [[ ! ${!name:-0} =~ ^[0-9]+$ ]]; then
-        echo "launch.sh: error: $name must be a whole number of seconds or restarts, got '${!name}'" >&2
+for name in INIT_TIMEOUT LAST_CALL MAX_RESTARTS NODE_RANK MASTER_PORT; do
+    if [[ ! ${!name:-0} =~ ^(0|[1-9][0-9]*)$ ]]; then  # a leading 0 would make bash read octal
+        echo "launch.sh: error: $name must be a whole number, got '${!name}'" >&2
         exit 2
     fi
 done
@@ -105,7 +116,7 @@ fi
 cores=$(getconf _NPROCESSORS_ONLN)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
 
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" >/dev/null && pwd)  # >/dev/null: cd prints it under CDPATH
 # Bad arguments, or more processes than GPUs, fail here, once, with one line, before any
 # worker or port exists.
 LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
@@ -125,7 +136,8 @@ if [[ -n ${NNODES:-} ]]; then
     if command -v ip >/dev/null; then
         addrs=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1}' | sort -u) || true
         if [[ -z $addrs ]]; then
-            echo "launch.sh: error: MASTER_ADDR '$MASTER_ADDR' does not resolve here; expected node 0's address" >&2
+            echo "launch.sh: error: MASTER_ADDR '$MASTER_ADDR' has no IPv4 address here; expected node 0's name or" \
+                "IPv4 address" >&2
             exit 2
         fi
         addr=${addrs%%$'\n'*} is_host=${is_host:-false}
@@ -169,6 +181,11 @@ if [[ -n ${NNODES:-} ]]; then
             1) is_host=true host_why="RDZV_HOST=1" ;;
             0) is_host=false ;;
         esac
+        if [[ -z $is_host ]]; then  # its SIGTERM would take the rendezvous down, or end the job
+            echo "launch.sh: error: without the ip command (iproute2), launch.sh cannot tell whether this node holds" \
+                "MASTER_ADDR $MASTER_ADDR; set RDZV_HOST=1 on the node that does, 0 on the others" >&2
+            exit 2
+        fi
         # torchrun's c10d rendezvous, hosted by node 0's launcher, which must stay; every round's rank 0 hosts
         # its workers' store (not the first round's, which may be gone).
         # The workers know it too: a SIGTERM on this node ends the job, saved, on every node.

@@ -469,8 +469,14 @@ LAUNCH_ENV_INPUTS = {  # launch.sh's variables: each case's environment, and the
                                "launch.sh: error: INIT_TIMEOUT 40 s must be more than LAST_CALL 25 s + 15 s, the time "
                                "a node that left stays in the rendezvous (3 missed heartbeats of 5 s)"),
     "init timeout not a number": (dict(NNODES="1:2", RUN_ID="a", INIT_TIMEOUT="1m"),
-                                  "launch.sh: error: INIT_TIMEOUT must be a whole number of seconds or restarts, "
-                                  "got '1m'"),
+                                  "launch.sh: error: INIT_TIMEOUT must be a whole number, got '1m'"),
+    # bash's arithmetic reads 050 as octal 40, and 090 as no number at all
+    "init timeout with a leading zero": (dict(NNODES="1:2", RUN_ID="a", INIT_TIMEOUT="090", LAST_CALL="30"),
+                                         "launch.sh: error: INIT_TIMEOUT must be a whole number, got '090'"),
+    "node rank not a number": (dict(NNODES="2", NODE_RANK="x"), "launch.sh: error: NODE_RANK must be a whole number, "
+                                                                "got 'x'"),
+    "master port not a number": (dict(NNODES="2", NODE_RANK="0", MASTER_PORT="abc"),
+                                 "launch.sh: error: MASTER_PORT must be a whole number, got 'abc'"),
     "rendezvous host not 0 or 1": (dict(NNODES="1:2", RUN_ID="a", RDZV_HOST="yes"),
                                    "launch.sh: error: RDZV_HOST must be 1 (this node hosts the rendezvous) or 0, "
                                    "got 'yes'"),
@@ -494,7 +500,65 @@ def test_master_addr_that_does_not_resolve_fails_fast_with_one_line():
     result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=30, env=env)
     assert result.returncode == 2 and result.seconds < 15 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "launch.sh: error: MASTER_ADDR 'node0.invalid' does not resolve here; expected node 0's address"]
+        "launch.sh: error: MASTER_ADDR 'node0.invalid' has no IPv4 address here; expected node 0's name or IPv4 address"]
+
+
+def test_an_elastic_node_without_the_ip_command_must_be_told_whether_it_hosts_the_rendezvous(tmp_path):
+    # Without iproute2 (slim images) launch.sh cannot tell, and took the node for one that joins: a SIGTERM on the
+    # node that hosted the rendezvous then killed its torchrun, and the rendezvous with it, for every node.
+    path = tmp_path / "bin"
+    path.mkdir()
+    for folder in os.environ["PATH"].split(os.pathsep):
+        for command in Path(folder).glob("*") if Path(folder).is_dir() else []:
+            if command.name != "ip" and not (path / command.name).exists():
+                (path / command.name).symlink_to(command)
+    env = clean_env(NNODES="1:2", RUN_ID="a", MASTER_ADDR="127.0.0.1", PATH=path)
+    result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=60, env=env)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "launch.sh: error: without the ip command (iproute2), launch.sh cannot tell whether this node holds MASTER_ADDR "
+        "127.0.0.1; set RDZV_HOST=1 on the node that does, 0 on the others"], result.stderr
+    result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=60, env={**env, "INIT_TIMEOUT": "x"})
+    assert result.returncode == 2 and "INIT_TIMEOUT must be a whole number" in result.stderr
+
+
+def test_sigterm_while_waiting_for_the_rendezvous_exits_143_at_once(tmp_path):
+    # A node that joins waits up to INIT_TIMEOUT for the rendezvous host to answer; a SIGTERM then ended that wait
+    # only at its end, with the line for a rendezvous that never answered.
+    env = clean_env(NNODES="1:2", RUN_ID="a", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_HOST="0")
+    job = start_logged(["bash", LAUNCH, "1", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path, env)
+    wait_for(lambda: "joining the rendezvous" in stderr(job), job, "the joining line")
+    time.sleep(1)
+    os.kill(job.pid, signal.SIGTERM)
+    assert wait_exit(job, 30) < 5 and job.returncode == 143, stderr(job)
+    assert "no rendezvous answered" not in stderr(job) and not descendants(job.pid), stderr(job)
+
+
+def test_a_second_sigterm_to_a_leaving_node_still_waits_for_its_workers(tmp_path):
+    # NNODES=1:2 on one machine: launch.sh as the rendezvous host, and as a node that joins it. The joining node gets
+    # SIGTERM twice (SLURM and launch.sh's own forwarding may send several): it leaves, its workers save with the
+    # others, and it exits 143 once they have ended. The second SIGTERM ran the leave again, which found torchrun
+    # killed and no worker, and exited at once, its workers still saving.
+    checkpoints = tmp_path / "ck"
+    env = dict(NNODES="1:2", RUN_ID="twice", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), LAST_CALL=5)
+    host, joining = (start_logged(["bash", LAUNCH, "1", *FAST, "--checkpoint-dir", str(checkpoints)],
+                                  subdir(tmp_path / name), clean_env(RDZV_HOST=is_host, **env))
+                     for name, is_host in [("host", 1), ("joining", 0)])
+    try:
+        wait_for(lambda: "step 4/16" in stdout(host) + stdout(joining), host, "step 4")
+        workers = [pid for pid in descendants(joining.pid) if b"train_ddp.py" in proc_file(pid, "cmdline")]
+        os.kill(joining.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(joining.pid, signal.SIGTERM)
+        wait_exit(joining, 60)
+        alive = [pid for pid in workers if proc_file(pid, "stat") and b") Z" not in proc_file(pid, "stat")]
+        assert joining.returncode == 143 and workers and not alive, (workers, alive, stderr(joining)[-2000:])
+        wait_for(lambda: (checkpoints / "last.pt").exists(), host, "the save")
+        saved = load(checkpoints / "last.pt")
+        assert (saved["epoch"], saved["world_size"]) == (0, 2) and saved["step"] >= 4, saved["step"]
+        assert "Killed" not in stderr(joining), stderr(joining)[-2000:]
+    finally:
+        kill_tree(host)
+        kill_tree(joining)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
