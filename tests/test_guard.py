@@ -161,6 +161,8 @@ CHECK_ARGS_FAILURES = {
     "--arch resnet18 --batch-size 1": "--arch resnet18 cannot train on 32 px images (ValueError: Expected more than 1 "
                                       "value per channel when training, got input size torch.Size([1, 512, 1, 1])); "
                                       "expected --batch-size 2 or more, a larger --image-size or another --arch",
+    "--arch resnet18 --batch-size 1 --sync-bn": "--arch resnet18 cannot train on 32 px images (ValueError: Expected "
+                                                "more than 1 value per channel",  # one rank: its own values only
     "--backend nccl": "--backend nccl needs CUDA GPUs and none is visible",
     "--evaluate": "--evaluate needs --resume PATH or --weights",
     "--resume a.pt --weights DEFAULT": "--resume and --weights: a resume continues",
@@ -181,10 +183,12 @@ def test_check_args_rejects_each_bad_value_with_one_line(argv, capsys):
     assert err.startswith("train_ddp.py: error: ") and CHECK_ARGS_FAILURES[argv] in err, err
 
 
-def test_check_arch_trains_takes_one_image_per_batch_where_batch_norm_still_sees_two_values():
-    # At 64 px ResNet's last batch norm sees 2 x 2 values per channel; --sync-bn, every rank's; --evaluate, none.
-    for argv in ["--image-size 64", "--sync-bn", "--evaluate --resume unread.pt"]:
+def test_check_arch_trains_takes_one_image_per_batch_where_batch_norm_still_sees_two_values(monkeypatch):
+    # At 64 px ResNet's last batch norm sees 2 x 2 values per channel; --evaluate, none; --sync-bn, every rank's.
+    for argv in ["--image-size 64", "--evaluate --resume unread.pt"]:
         assert train_ddp.parse_args(["--arch", "resnet18", "--batch-size", "1", *argv.split()]).batch_size == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert train_ddp.parse_args(["--arch", "resnet18", "--batch-size", "1", "--sync-bn"]).batch_size == 1
 
 
 def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
