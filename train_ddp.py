@@ -452,13 +452,18 @@ def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
     """Precise batch norm: statistics for the weights as they are, from each rank's share of
     BN_IMAGES, averaged over ranks, so that every rank validates, and saves, one model."""
     per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
-    batches = max(1, per_rank // args.batch_size)
+    images = max(1, per_rank // args.batch_size) * args.batch_size
     loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
-                        sampler=list(sampler)[: batches * args.batch_size],
-                        num_workers=args.workers,
+                        sampler=list(sampler)[:images], num_workers=args.workers,
                         generator=torch.Generator().manual_seed(args.seed))
+    batches, problem = [], None
+    try:  # all read first: with --sync-bn each forward is a collective, which every rank must reach
+        batches = list(loader)
+    except guard.UnreadableImage as e:
+        problem = guard.unreadable(e)
+    guard.stop_on_problems(problem)
     with torch.random.fork_rng([to_input.device] if to_input.device.type == "cuda" else []):
-        update_bn((to_input(*batch)[0] for batch in loader), model)  # training's RNG untouched
+        update_bn((to_input(*batch)[0] for batch in batches), model)  # training's RNG untouched
     for norm in model.modules():
         if getattr(norm, "track_running_stats", False):
             for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+from torch.utils.data.distributed import DistributedSampler
 
 import train_ddp
 from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
@@ -608,6 +609,23 @@ def test_unreadable_image_mid_epoch_stops_every_rank_with_one_line(tmp_path):
     assert f"cannot read {damaged} (" in failed and failed.endswith("; remove or replace that file"), failed
     assert f"train_ddp.py: error: rank 0: stopping: rank {rank} failed (see above)" in ours
     assert (tmp_path / "ck" / "last.pt").read_bytes() == before
+
+
+def test_an_unreadable_image_that_only_batch_norms_recompute_reads_stops_every_rank_with_one_line(tmp_path):
+    # 20 images per rank train one step of 4 x 4; batch norm's statistics are then recomputed from all 20, so that
+    # image 16 of rank 0's shard is read there first. With --sync-bn each forward there is a collective: rank 0
+    # raised in the loader (a traceback) while rank 1 waited in the next one.
+    data = write_images(tmp_path / "data", noise_image(32, 32), ["a", "b"], {"train": 20, "val": 2}, ".jpg")
+    order = list(DistributedSampler(range(40), num_replicas=2, rank=0, seed=0))
+    damaged = Path(torchvision.datasets.ImageFolder(data / "train").samples[order[16]][0])
+    damaged.write_bytes(damaged.read_bytes()[:300])
+    result = run(["bash", LAUNCH, "2", "--data", str(data), "--arch", "resnet18", "--image-size", "32", "--epochs",
+                  "1", "--batch-size", "4", "--accum-steps", "4", "--sync-bn", "--checkpoint-dir", str(tmp_path / "ck")],
+                 timeout=90)
+    ours = [line for line in result.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
+    assert result.returncode != 0 and f'File "{TRAIN}"' not in result.stderr, result.stderr[-3000:]
+    assert len(ours) == 1 and ours[0].startswith(f"train_ddp.py: error: rank 0: cannot read {damaged} ("), ours
+    assert not (tmp_path / "ck" / "last.pt").exists()
 
 
 def test_a_model_gone_nan_stops_every_rank_with_one_line(tmp_path):
