@@ -175,6 +175,8 @@ def check_args(args):
             model = torchvision.models.get_model(args.arch, num_classes=num_classes(args))
         weights_for(model, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
+    if args.metrics_file and Path(args.metrics_file).is_dir():
+        fail(f"--metrics-file {args.metrics_file}: a directory; expected a file to append to")
     if args.metrics_file:
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
     check_shared_memory(args)

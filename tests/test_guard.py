@@ -163,6 +163,7 @@ CHECK_ARGS_FAILURES = {
                                       "expected --batch-size 2 or more, a larger --image-size or another --arch",
     "--arch resnet18 --batch-size 1 --sync-bn": "--arch resnet18 cannot train on 32 px images (ValueError: Expected "
                                                 "more than 1 value per channel",  # one rank: its own values only
+    "--metrics-file .": "--metrics-file .: a directory; expected a file to append to",
     "--backend nccl": "--backend nccl needs CUDA GPUs and none is visible",
     "--evaluate": "--evaluate needs --resume PATH or --weights",
     "--resume a.pt --weights DEFAULT": "--resume and --weights: a resume continues",

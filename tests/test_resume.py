@@ -1,10 +1,12 @@
 """Tests of train_ddp.py's resume that need no process group: one process, each in seconds."""
+import json
 import math
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data.distributed import DistributedSampler
 
@@ -107,6 +109,17 @@ def test_load_checkpoint_refuses_a_model_for_other_classes_with_one_line(tmp_pat
     assert exit.value.code == 2 and err.count("\n") == 1, err
     assert (f"--resume {path}: fc.weight has shape [10, 512], but --arch resnet18 for 5 classes has [5, 512]; "
             "expected the classes it was trained on") in err, err
+
+
+def test_append_metrics_writes_null_for_a_figure_of_no_step_and_makes_its_folder(tmp_path):
+    # An epoch resumed with less than a step left trains none: its train_loss is nan, which JSON parsers refuse.
+    path = tmp_path / "new" / "m.jsonl"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        train_ddp.append_metrics(SimpleNamespace(metrics_file=str(path)), {"epoch": 2, "train_loss": math.nan})
+    finally:
+        dist.destroy_process_group()
+    assert json.loads(path.read_text(), parse_constant=pytest.fail) == {"epoch": 2, "train_loss": None}
 
 
 @pytest.mark.parametrize("saved", ["momentum 0", "some buffers"])
