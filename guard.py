@@ -300,6 +300,10 @@ def weights_for(model, args):
             fail(f"--weights {args.weights} does not fit --arch {args.arch}: {key} has shape "
                  f"{list(state[key].shape)}, expected {list(own[key].shape)}")
     new_layers = sorted({key.rpartition(".")[0] for key in new})
+    if new and args.evaluate:  # it would validate a classifier made at random
+        fail(f"--evaluate --weights {args.weights}: {', '.join(new_layers)} is for "
+             f"{state[new[0]].shape[0]} classes, not {num_classes(args)}; expected weights "
+             "trained on these classes")
     return {**state, **{key: own[key] for key in new}}, new_layers
 
 

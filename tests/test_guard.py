@@ -272,6 +272,16 @@ def test_weights_for_refuses_weights_that_do_not_fit(case, tmp_path, capsys):
     assert code == 2 and f"--weights {tmp_path}/w.pt does not fit --arch resnet18: {message}" in err, err
 
 
+def test_weights_for_refuses_a_classifier_for_other_classes_to_evaluate(tmp_path, capsys):
+    torch.save(torchvision.models.resnet18(num_classes=7).state_dict(), tmp_path / "w.pt")
+    argv = ["--arch", "resnet18", "--weights", str(tmp_path / "w.pt"), "--evaluate"]
+    assert train_ddp.parse_args(argv + ["--num-classes", "7"]).num_classes == 7
+    code, err = exit_of(lambda: train_ddp.parse_args(argv + ["--num-classes", "5"]), capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        f"train_ddp.py: error: --evaluate --weights {tmp_path}/w.pt: fc is for 7 classes, not 5; expected "
+        "weights trained on these classes"], err
+
+
 def test_fetch_weights_takes_them_from_the_hub_cache(world_of_one, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
