@@ -281,11 +281,18 @@ def named_weights(args):
     return kinds[name]
 
 
+def weights_file(args):
+    """--weights' file: the path given, or where torch's hub cache keeps the weights it names."""
+    named = named_weights(args)
+    if named is None:
+        return Path(args.weights)
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(named.url)
+
+
 def weights_for(model, args):
     """--weights' state dict for `model`, and the layers left new: every key must be there, of the
     same shape, but the classifier's, which may be for another number of classes."""
-    named = named_weights(args)
-    state = named.get_state_dict() if named else load_file(args.weights, "--weights", "state dict")
+    state = load_file(weights_file(args), "--weights", "state dict")  # a bad file: one line
     if isinstance(state, dict) and "model" in state:  # a last.pt
         state = state["model"]
     own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
@@ -313,8 +320,7 @@ def fetch_weights(args):
     weights = named_weights(args)
     if weights is None:
         return
-    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
-    problem = None
+    path, problem = weights_file(args), None
     if env_local_rank() == 0 and not path.is_file():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -282,6 +282,19 @@ def test_weights_for_refuses_a_classifier_for_other_classes_to_evaluate(tmp_path
         "weights trained on these classes"], err
 
 
+def test_weights_for_reads_named_weights_from_the_hub_cache_and_names_a_bad_file_there(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1", "--num-classes", "1000"])
+    cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
+    cached.parent.mkdir(parents=True)
+    torch.save(torchvision.models.resnet18().state_dict(), cached)
+    state, new_layers = guard.weights_for(torchvision.models.resnet18(), args)
+    assert new_layers == [] and torch.equal(state["fc.weight"], torch.load(cached)["fc.weight"])
+    cached.write_bytes(b"placed by hand, and wrong")  # where the download's failure line says to place it
+    code, err = exit_of(lambda: guard.weights_for(torchvision.models.resnet18(), args), capsys)
+    assert code == 2 and err.startswith(f"train_ddp.py: error: --weights {cached}: not a readable state dict ("), err
+
+
 def test_fetch_weights_takes_them_from_the_hub_cache(world_of_one, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
