@@ -186,8 +186,10 @@ def check_arch_trains(args):
     """A forward on the meta device (shapes only): a model that cannot train at this image size and
     batch, or returns more than logits, fails."""
     hint, batch = "a larger --image-size or another --arch", 2
-    ranks = max(world_from_env()[1], local_world_size())  # what --sync-bn's statistics span
-    if args.batch_size == 1 and not (args.sync_bn and ranks > 1):  # batch norm needs 2 values
+    # Batch norm needs 2 values per channel; --sync-bn's come from every rank, which a dry run
+    # (launch.sh's) cannot count: there each rank checks again.
+    sync_over_ranks = args.sync_bn and (args.dry_run or world_from_env()[1] > 1)
+    if args.batch_size == 1 and not sync_over_ranks:
         hint, batch = "--batch-size 2 or more, " + hint, 1
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init

@@ -188,8 +188,11 @@ def test_check_arch_trains_takes_one_image_per_batch_where_batch_norm_still_sees
     # At 64 px ResNet's last batch norm sees 2 x 2 values per channel; --evaluate, none; --sync-bn, every rank's.
     for argv in ["--image-size 64", "--evaluate --resume unread.pt"]:
         assert train_ddp.parse_args(["--arch", "resnet18", "--batch-size", "1", *argv.split()]).batch_size == 1
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert train_ddp.parse_args(["--arch", "resnet18", "--batch-size", "1", "--sync-bn"]).batch_size == 1
+    argv = ["--arch", "resnet18", "--batch-size", "1", "--sync-bn"]
+    assert train_ddp.parse_args(argv + ["--dry-run"]).batch_size == 1  # launch.sh's: each rank checks again
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_ddp.parse_args(argv).batch_size == 1
 
 
 def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
