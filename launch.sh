@@ -12,7 +12,7 @@
 #   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); train_ddp.py resumes
 #                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
 #   RDZV_HOST      elastic: 1 on the node that hosts the rendezvous, 0 elsewhere; found by itself unless
-#                  MASTER_ADDR is an address no node holds (a NAT or public address)
+#                  MASTER_ADDR is an address no node holds (a NAT or public address) or ip is missing
 #   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME  passed on as they are; default: the interface to MASTER_ADDR
 #   OMP_NUM_THREADS  default: CPU cores / N, at least 1
 # train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
@@ -23,8 +23,8 @@ set -euo pipefail
 # step), since it would stop the workers too, but exit 1 with a traceback (the torchrun of older
 # releases, torch 2.3 for one, has no --signals-to-handle and still takes it).
 # Trapped from the start, it is repeated each second until torchrun ends: workers it has yet to
-# start get it too (they ignore all but the first). In an elastic job this node leaves instead
-# (a spot notice): its workers get the SIGTERM, and torchrun, which would take their exit for the
+# start get it too (they ignore all but the first). In an elastic job a node other than the
+# rendezvous host leaves instead (a spot notice): its workers get the SIGTERM, and torchrun, which would take their exit for the
 # job's end and close the rendezvous for every node, is killed; the workers save with the others
 # and exit, and the other nodes go on without this one (docs/launching.md).
 stopping=0 torchrun_pid=
@@ -63,7 +63,7 @@ stop() {  # once: a second SIGTERM must not cut the first one's stop short
 }
 trap 'stopping=1; [[ -z $torchrun_pid ]] || stop' TERM
 
-wait_for_rendezvous() {  # address, port, seconds: until node 0's torchrun listens there, or one line and exit 1
+wait_for_rendezvous() {  # address, port, seconds: until node 0's torchrun listens there; else one line, exit 1
     local probe status=0
     if (( stopping )); then exit 143; fi
     # In the background: a SIGTERM interrupts `wait` at once, not after the timeout.
