@@ -34,6 +34,9 @@ NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
 # How ProcessGroupNCCL2 (torch 2.15) fails the next collective once a rank is gone: a RuntimeError
 # with these first words (nccl2/ProcessGroupNCCLUtils.cpp, checkAndAbortIfTimedOutOrError).
 NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communicator was aborted")
+# gloo's errors name their transport's file, but for what a timed-out receive tells every other
+# operation of the group (gloo/transport/tcp/unbound_buffer.cc), which DDP's backward may see first.
+GLOO_FAILURES = ("gloo/transport", "Application timeout caused pair closure")
 
 
 # ------------------------------------------------------------------------- one-line failures
@@ -437,7 +440,7 @@ def collective_failed(error, args):
     exit 1 at once, for destroying the broken group can block (the old ProcessGroupNCCL's heartbeat
     monitor sleeps 480 s; ProcessGroupNCCL2 waits for pending collectives). Other errors go on."""
     gone = isinstance(error, dist.DistBackendError) or first_line(error).startswith(NCCL2_FAILURES)
-    if not gone and "gloo/transport" not in str(error):
+    if not gone and not any(words in str(error) for words in GLOO_FAILURES):
         raise error
     dump = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get(
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")

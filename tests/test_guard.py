@@ -408,6 +408,18 @@ def test_collective_failed_takes_nccl2s_runtime_error_for_a_rank_gone(text):
         f"--collective-timeout 600 s; look for its own error ({text.splitlines()[0]})"]
 
 
+@pytest.mark.parametrize("text", ["[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                                  "waiting 10000ms for recv operation to complete",
+                                  "Application timeout caused pair closure"])
+def test_collective_failed_takes_gloos_errors_for_a_rank_gone(text):
+    # The second is what gloo tells the group's other operations when a receive times out: a link cut mid-step
+    # gave it to DDP's backward on rank 0, which raised it with a traceback.
+    result = run([sys.executable, "-c", COLLECTIVE_FAILED, text], env=clean_env(), cwd=ROOT, timeout=60)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "train_ddp.py: error: rank 0: a collective failed: another rank stopped, or stopped answering for "
+        f"--collective-timeout 600 s; look for its own error ({text})"], result.stderr
+
+
 def test_collective_failed_raises_any_other_error_as_it_is():
     result = run([sys.executable, "-c", COLLECTIVE_FAILED, "CUDA out of memory"], env=clean_env(), cwd=ROOT,
                  timeout=60)
