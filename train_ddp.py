@@ -609,7 +609,8 @@ def append_metrics(args, record):
     """One JSON line; a figure of no step (an epoch resumed with less than a step left) is null:
     JSON has no NaN."""
     if dist.get_rank() == 0 and args.metrics_file:
-        record = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}
+        record = {key: None if isinstance(value, float) and math.isnan(value) else value
+                  for key, value in record.items()}
         Path(args.metrics_file).parent.mkdir(parents=True, exist_ok=True)
         with open(args.metrics_file, "a") as f:
             f.write(json.dumps(record) + "\n")
