@@ -496,6 +496,15 @@ def test_a_launch_variable_out_of_range_fails_with_one_line(case):
         assert "lo" in line[len(message):].split(), line
 
 
+def test_launch_sh_finds_train_ddp_py_under_an_exported_cdpath():
+    # cd prints the folder it finds through CDPATH, which went into launch.sh's own path.
+    root = Path(LAUNCH).parent
+    result = run(["bash", f"{root.name}/launch.sh", "1", "--epochs", "0"], timeout=30, cwd=root.parent,
+                 env=clean_env(CDPATH=root.parent))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "train_ddp.py: error: --epochs must be a positive integer, got 0"], result.stderr
+
+
 def test_master_addr_that_does_not_resolve_fails_fast_with_one_line():
     env = clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="node0.invalid")
     result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=30, env=env)
