@@ -534,13 +534,18 @@ def test_an_elastic_node_without_the_ip_command_must_be_told_whether_it_hosts_th
 def test_sigterm_while_waiting_for_the_rendezvous_exits_143_at_once(tmp_path):
     # A node that joins waits up to INIT_TIMEOUT for the rendezvous host to answer; a SIGTERM then ended that wait
     # only at its end, with the line for a rendezvous that never answered.
-    env = clean_env(NNODES="1:2", RUN_ID="a", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_HOST="0")
+    port = free_port()
+    env = clean_env(NNODES="1:2", RUN_ID="a", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_HOST="0")
     job = start_logged(["bash", LAUNCH, "1", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path, env)
     wait_for(lambda: "joining the rendezvous" in stderr(job), job, "the joining line")
     time.sleep(1)
     os.kill(job.pid, signal.SIGTERM)
     assert wait_exit(job, 30) < 5 and job.returncode == 143, stderr(job)
-    assert "no rendezvous answered" not in stderr(job) and not descendants(job.pid), stderr(job)
+    time.sleep(0.5)
+    probes = [int(p.name) for p in Path("/proc").glob("[0-9]*") if b"/dev/tcp" in proc_file(p.name, "cmdline")
+              and str(port).encode() in proc_file(p.name, "cmdline")]
+    kill_pids(probes)
+    assert "no rendezvous answered" not in stderr(job) and not probes, (probes, stderr(job))
 
 
 def test_a_second_sigterm_to_a_leaving_node_still_waits_for_its_workers(tmp_path):
