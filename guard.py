@@ -155,7 +155,6 @@ def check_args(args):
                           ("--collective-timeout", args.collective_timeout)]:
         if seconds <= 0:
             fail(f"{flag} must be a positive number of seconds, got {seconds}")
-    check_arch_trains(args)
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
@@ -173,39 +172,45 @@ def check_args(args):
              "leave inf in PowerSGD's error feedback and skip every later step; use --amp bf16")
     if args.data:
         check_image_folder(Path(args.data))
-    if args.weights and not named_weights(args):
-        with torch.device("meta"):  # shapes only
-            model = torchvision.models.get_model(args.arch, num_classes=num_classes(args))
-        weights_for(model, args)
+    model = meta_model(args)  # after --data's check: the classes are its folders
+    if model is not None:  # None for the regnets: not checked
+        check_arch_trains(model, args)
+        if args.weights and not named_weights(args):
+            weights_for(model, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
-    if args.metrics_file and Path(args.metrics_file).is_dir():
-        fail(f"--metrics-file {args.metrics_file}: a directory; expected a file to append to")
     if args.metrics_file:
+        if Path(args.metrics_file).is_dir():
+            fail(f"--metrics-file {args.metrics_file}: a directory; expected a file to append to")
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
     check_shared_memory(args)
 
 
-def check_arch_trains(args):
-    """A forward on the meta device (shapes only): a model that cannot train at this image size and
-    batch, or returns more than logits, fails."""
+def meta_model(args):
+    """This run's model on the meta device (shapes, no memory), or None for the regnets, which
+    compute while they build."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
+        try:
+            return torchvision.models.get_model(args.arch, num_classes=num_classes(args))
+        except NotImplementedError:
+            return None
+
+
+def check_arch_trains(model, args):
+    """A forward of meta_model's `model`: one that cannot train at this image size and batch, or
+    returns more than logits, fails."""
     hint, batch = "a larger --image-size or another --arch", 2
     # Batch norm needs 2 values per channel; --sync-bn's come from every rank, which a dry run
     # (launch.sh's) cannot count: there each rank checks again.
     sync_over_ranks = args.sync_bn and (args.dry_run or world_from_env()[1] > 1)
     if args.batch_size == 1 and not sync_over_ranks:
         hint, batch = "--batch-size 2 or more, " + hint, 1
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
-        try:
-            model = torchvision.models.get_model(args.arch, weights=None, num_classes=2)
-        except Exception:  # a few (the regnets) compute while they build: not checked
-            return
-        images = torch.empty(batch, 3, args.image_size, args.image_size)
-        try:
-            out = model.train(not args.evaluate)(images)
-        except Exception as e:
-            fail(f"--arch {args.arch} cannot train on {args.image_size} px images "
-                 f"({type(e).__name__}: {first_line(e)}); expected {hint}")
+    images = torch.empty(batch, 3, args.image_size, args.image_size, device="meta")
+    try:
+        out = model.train(not args.evaluate)(images)
+    except Exception as e:
+        fail(f"--arch {args.arch} cannot train on {args.image_size} px images "
+             f"({type(e).__name__}: {first_line(e)}); expected {hint}")
     if not isinstance(out, torch.Tensor):
         fail(f"--arch {args.arch} returns {type(out).__name__}, not logits; expected another "
              "--arch")
@@ -253,11 +258,9 @@ def check_image_folder(root):
 
 def check_classes(state, args, source):
     """A checkpoint's model must be for this run's classes, or every rank's load_state_dict fails
-    with a traceback. (The meta device cannot build the regnets: not checked.)"""
-    try:
-        with torch.device("meta"):
-            model = torchvision.models.get_model(args.arch, num_classes=num_classes(args))
-    except NotImplementedError:
+    with a traceback (the regnets, which meta_model cannot build, do)."""
+    model = meta_model(args)
+    if model is None:
         return
     for key, tensor in model.state_dict().items():
         if key in state and state[key].shape != tensor.shape:

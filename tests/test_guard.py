@@ -275,6 +275,13 @@ def test_weights_for_refuses_weights_that_do_not_fit(case, tmp_path, capsys):
     assert code == 2 and f"--weights {tmp_path}/w.pt does not fit --arch resnet18: {message}" in err, err
 
 
+def test_check_args_takes_a_weights_file_for_a_model_the_meta_device_cannot_build(tmp_path):
+    # The regnets compute while they build: their --weights fit was checked on the meta device, which raised there.
+    torch.save(torchvision.models.regnet_y_400mf(num_classes=10).state_dict(), tmp_path / "w.pt")
+    args = train_ddp.parse_args(["--arch", "regnet_y_400mf", "--weights", str(tmp_path / "w.pt")])
+    assert guard.meta_model(args) is None and args.weights == str(tmp_path / "w.pt")
+
+
 def test_weights_for_refuses_a_classifier_for_other_classes_to_evaluate(tmp_path, capsys):
     torch.save(torchvision.models.resnet18(num_classes=7).state_dict(), tmp_path / "w.pt")
     argv = ["--arch", "resnet18", "--weights", str(tmp_path / "w.pt"), "--evaluate"]
