@@ -24,9 +24,10 @@ set -euo pipefail
 # releases, torch 2.3 for one, has no --signals-to-handle and still takes it).
 # Trapped from the start, it is repeated each second until torchrun ends: workers it has yet to
 # start get it too (they ignore all but the first). In an elastic job a node other than the
-# rendezvous host leaves instead (a spot notice): its workers get the SIGTERM, and torchrun, which would take their exit for the
-# job's end and close the rendezvous for every node, is killed; the workers save with the others
-# and exit, and the other nodes go on without this one (docs/launching.md).
+# rendezvous host leaves instead (a spot notice): its workers get the SIGTERM, and torchrun,
+# which would take their exit for the job's end and close the rendezvous for every node, is
+# killed; the workers save with the others and exit, and the other nodes go on without this one
+# (docs/launching.md).
 stopping=0 torchrun_pid=
 children() {  # the pids whose parent is $1, read from /proc: slim images lack procps (pgrep)
     local stat line ppid
