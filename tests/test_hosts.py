@@ -188,7 +188,7 @@ def test_an_elastic_job_starts_when_master_addr_is_node_0s_name_on_loopback_ther
     # the other nodes to its address: node 0 hosts the rendezvous all the same (torch's own guess, the hostname's
     # addresses against MASTER_ADDR, fails on every node), and says that it must stay.
     args = [*FAST, "--epochs", "1", "--checkpoint-dir", tmp_path / "ck"]
-    with hosts.Hosts(2, hosts_files=hostname_on_loopback(2), default_route=True) as on:  # node 0's card: its route
+    with hosts.Hosts(2, hosts_files=hostname_on_loopback(2), default_route="eth0") as on:  # node 0's card: its route
         job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "1:2", "MASTER_ADDR": "host0", **ELASTIC})
         assert job.wait(180) == [0, 0], job.report()
     assert f"launch.sh: this node hosts the rendezvous at host0:{PORT} (this machine holds MASTER_ADDR 127.0.1.1): " \

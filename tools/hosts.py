@@ -19,6 +19,7 @@ from pathlib import Path
 
 SUBNET = "10.213.7"  # a private /24 that exists only inside the namespaces
 SECOND_SUBNET = "10.213.8"  # the second network card's, when the hosts have two
+IPV6_SUBNET = "fd00:213:7:"  # eth0's IPv6 /64, when the hosts have IPv6 addresses too
 
 
 def available():
@@ -38,18 +39,21 @@ def ip(*args):
 class Hosts:
     """`count` hosts named host0, host1, ... at SUBNET.1, SUBNET.2, ... on eth0; `rate` (e.g.
     "1gbit") caps each host's sending rate with tc's token bucket; `hosts_files[i]`, if given, replaces host i's
-    /etc/hosts; `cards=2` adds eth1, at SECOND_SUBNET.1, .2, ..., on a network of its own; `default_route` sends
-    what has no other route to eth0 (name lookups then wait for a DNS server that never answers: only where a test
-    needs it)."""
+    /etc/hosts; `cards=2` adds eth1, at SECOND_SUBNET.1, .2, ..., on a network of its own; `default_route` (a card:
+    "eth0") sends what has no other route there (name lookups then wait for a DNS server that never answers: only
+    where a test needs it); `ipv6` gives eth0 IPV6_SUBNET:1, :2, ... too."""
 
-    def __init__(self, count, rate=None, hosts_files=None, cards=1, default_route=False):
+    def __init__(self, count, rate=None, hosts_files=None, cards=1, default_route=None, ipv6=False):
         self.names = [f"ddp{os.getpid()}h{i}" for i in range(count)]
         self.switch = f"ddp{os.getpid()}sw"
         self.rate, self.hosts_files, self.cards = rate, hosts_files or {}, cards
-        self.default_route = default_route
+        self.default_route, self.ipv6 = default_route, ipv6
 
     def address(self, i):
         return f"{SUBNET}.{i + 1}"
+
+    def ipv6_address(self, i):
+        return f"{IPV6_SUBNET}:{i + 1}"
 
     def hosts_file(self):
         """The /etc/hosts every host has unless told otherwise: each name at its own address."""
@@ -71,8 +75,10 @@ class Hosts:
                     ip("-n", self.switch, "link", "set", port, "master", f"br{card}", "up")
                     ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", f"eth{card}")
                     ip("-n", name, "link", "set", f"eth{card}", "up")
+                if self.ipv6:  # nodad: usable at once, not after duplicate address detection
+                    ip("-n", name, "addr", "add", f"{self.ipv6_address(i)}/64", "dev", "eth0", "nodad")
                 if self.default_route:  # as on a real machine; the bridge has no way out
-                    ip("-n", name, "route", "add", "default", "dev", "eth0")
+                    ip("-n", name, "route", "add", "default", "dev", self.default_route)
                 if self.rate:
                     subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                                     "rate", self.rate, "burst", "1mb", "latency", "100ms"], check=True, timeout=30)
