@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -178,6 +179,11 @@ def check_args(args):
         if args.weights and not named_weights(args):
             weights_for(model, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
+    interfaces = {name for _, name in socket.if_nameindex()}
+    for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(","):  # gloo's list: each must exist
+        if name and name not in interfaces:
+            fail(f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} names '{name}', which this "
+                 f"machine lacks; expected some of its interfaces: {' '.join(sorted(interfaces))}")
     if args.metrics_file:
         if Path(args.metrics_file).is_dir():
             fail(f"--metrics-file {args.metrics_file}: a directory; expected a file to append to")

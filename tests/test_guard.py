@@ -195,6 +195,19 @@ def test_check_arch_trains_takes_one_image_per_batch_where_batch_norm_still_sees
     assert train_ddp.parse_args(argv).batch_size == 1
 
 
+def test_check_args_wants_every_interface_gloo_socket_ifname_names(monkeypatch, capsys):
+    # A list too (eth0,eth1: gloo spreads its connections over both); a name missing here fails in one line,
+    # before any process group, not at gloo's start on every rank.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert train_ddp.parse_args(["--arch", "resnet18"]).arch == "resnet18"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,nonexistent9")
+    code, err = exit_of(lambda: train_ddp.parse_args(["--arch", "resnet18"]), capsys)
+    assert code == 2 and err.startswith("train_ddp.py: error: GLOO_SOCKET_IFNAME=lo,nonexistent9 names "
+                                        "'nonexistent9', which this machine lacks; expected some of its "
+                                        "interfaces: "), err
+    assert "lo" in err.split(": ")[-1].split(), err
+
+
 def test_check_writable_names_the_file_in_the_way(tmp_path, capsys):
     guard.check_writable(tmp_path / "new" / "deeper", "--checkpoint-dir")
     (tmp_path / "a_file").write_text("")
