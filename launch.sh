@@ -1,229 +1,160 @@
 #!/usr/bin/env bash
-# Start train_ddp.py in N processes on this machine with torchrun.
-#
+# Start train_ddp.py in N processes on this machine with torchrun, after a dry run of its arguments:
 #   bash launch.sh N [train_ddp.py args...]
-#
-# Environment (all optional):
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT  run on NNODES machines; start this on each, NODE_RANK 0..NNODES-1
-#   NNODES=MIN:MAX elastic: MIN to MAX nodes, which may leave and join; no NODE_RANK, RUN_ID needed
-#   INIT_TIMEOUT   seconds the nodes wait for each other (default 60)
-#   LAST_CALL      elastic: seconds to wait for more nodes once MIN are there (default 30)
-#   MAX_RESTARTS   restart failed workers this often (default 0, elastic 3); they resume from the job's last.pt
-#   RUN_ID         one id per job, the same on every node (default: $SLURM_JOB_ID); train_ddp.py resumes
-#                  only from a last.pt this job wrote (on one node torchrun makes a fresh id itself)
-#   RDZV_HOST      elastic: 1 on the node that hosts the rendezvous, 0 elsewhere; found by itself unless
-#                  MASTER_ADDR is an address no node holds (a NAT or public address) or ip is missing
-#   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME  passed on as they are; default: the interface to MASTER_ADDR
-#   OMP_NUM_THREADS  default: CPU cores / N, at least 1
-# train_ddp.py picks the backend itself: nccl with GPUs, gloo without.
+# Several machines: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and the rest in docs/launching.md.
 set -euo pipefail
 
-# SIGTERM (SLURM, Kubernetes, kill) goes to the workers: they agree on a step, save last.pt and
-# exit 0, and torchrun with them. torchrun ignores it (SLURM signals every process of the job
-# step), since it would stop the workers too, but exit 1 with a traceback (the torchrun of older
-# releases, torch 2.3 for one, has no --signals-to-handle and still takes it).
-# Trapped from the start, it is repeated each second until torchrun ends: workers it has yet to
-# start get it too (they ignore all but the first). In an elastic job a node other than the
-# rendezvous host leaves instead (a spot notice): its workers get the SIGTERM, and torchrun,
-# which would take their exit for the job's end and close the rendezvous for every node, is
-# killed; the workers save with the others and exit, and the other nodes go on without this one
-# (docs/launching.md).
+main() {
+    local n=${1:-} cpus
+    [[ $n =~ ^[1-9][0-9]*$ ]] ||
+        fail "N must be a positive integer, got '$n'; usage: bash launch.sh N [train_ddp.py args]"
+    shift
+    settle_variables
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")" >/dev/null && pwd)  # >/dev/null: CDPATH prints
+    cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)  # nproc: the CPUs this process may use
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus > n ? cpus / n : 1 ))}
+    # Bad arguments, or more processes than GPUs, fail here, once, before any worker or port exists.
+    LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
+    # One machine: a port the OS picks, at 127.0.0.1 (a container's own name may not resolve).
+    rendezvous=(--standalone --local-addr 127.0.0.1)
+    if [[ -n $NNODES ]]; then several_nodes; fi
+    # As python3 -m: the dry run's python3, whatever torchrun is first on PATH. SIGTERM: see stop().
+    (trap '' TERM; PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec python3 -m \
+        torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$n" \
+        --max-restarts "$MAX_RESTARTS" "$here/train_ddp.py" "$@") &
+    torchrun_pid=$!
+    if (( stopping )); then stop; fi  # a SIGTERM that came before torchrun had a pid
+    wait "$torchrun_pid"  # its status is launch.sh's (after a SIGTERM, stop() exits with it)
+}
+
+fail() { echo "launch.sh: error: $*" >&2; exit 2; }
+
+settle_variables() {  # the defaults, then one line for each value torchrun refuses late, or never
+    # Kubeflow's PET_* variables, torchrun's defaults even with --standalone: launch.sh's instead.
+    NNODES=${NNODES:-${PET_NNODES:-}} NODE_RANK=${NODE_RANK:-${PET_NODE_RANK:-}}
+    MASTER_ADDR=${MASTER_ADDR:-${PET_MASTER_ADDR:-}}
+    MASTER_PORT=${MASTER_PORT:-${PET_MASTER_PORT:-29500}}
+    unset "${!PET_@}"
+    elastic=$([[ $NNODES == *:* ]] && echo 1 || echo 0)
+    RUN_ID=${RUN_ID:-${SLURM_JOB_ID:-}} RDZV_HOST=${RDZV_HOST:-} LAST_CALL=${LAST_CALL:-30}
+    INIT_TIMEOUT=${INIT_TIMEOUT:-$((60 + 30*elastic))} MAX_RESTARTS=${MAX_RESTARTS:-$((3*elastic))}
+    for name in INIT_TIMEOUT LAST_CALL MAX_RESTARTS NODE_RANK MASTER_PORT; do  # 0..: bash's octal
+        [[ ${!name:-0} =~ ^(0|[1-9][0-9]*)$ ]] || fail "$name must be a whole number: '${!name}'"
+    done
+    (( INIT_TIMEOUT && LAST_CALL )) || fail "INIT_TIMEOUT and LAST_CALL must be 1 s or more"
+    (( MASTER_PORT && MASTER_PORT < 65536 )) || fail "MASTER_PORT must be 1 to 65535: $MASTER_PORT"
+    [[ $RDZV_HOST =~ ^[01]?$ ]] || fail "RDZV_HOST must be 1 (this node hosts the rendezvous) or 0"
+    [[ -z $NNODES || $NNODES =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ && ${NNODES#*:} -ge ${NNODES%:*} ]] ||
+        fail "NNODES must be a number of nodes N or a range MIN:MAX, 1 <= MIN <= MAX: '$NNODES'"
+    [[ -z $NNODES || -n $MASTER_ADDR ]] || fail "NNODES=$NNODES needs MASTER_ADDR: node 0's address"
+    if (( elastic )); then
+        [[ -n $RUN_ID ]] || fail "NNODES=$NNODES needs RUN_ID: one id for the job, on every node"
+        (( INIT_TIMEOUT > LAST_CALL + 30 )) || fail "INIT_TIMEOUT $INIT_TIMEOUT s must exceed" \
+            "LAST_CALL $LAST_CALL s + 30 s: a node that joins waits for the others to stop (30 s)"
+    elif [[ -n $NNODES ]] && ! (( ${NODE_RANK:-$NNODES} < NNODES )); then
+        fail "NODE_RANK must be 0 (on MASTER_ADDR) to $((NNODES - 1)): '$NODE_RANK'"
+    fi
+}
+
+several_nodes() {  # torchrun's rendezvous at MASTER_ADDR, and the interface that reaches it
+    local facts held node_addr dev
+    facts=$(discover 2>/dev/null) ||
+        fail "MASTER_ADDR '$MASTER_ADDR' does not resolve here; expected node 0's name or address"
+    read -r held node_addr <<<"$facts"
+    # gloo takes the address its hostname resolves to (often 127.0.1.1): the one toward MASTER_ADDR.
+    if [[ -z ${GLOO_SOCKET_IFNAME:-} && -n $node_addr ]] && command -v ip >/dev/null; then
+        dev=$(ip -o addr show to "$node_addr" | awk '{print $2; exit}')
+        export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
+        echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" >&2
+    fi
+    if (( !elastic )); then
+        rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
+            --master-port "$MASTER_PORT" --rdzv-id "${RUN_ID:-none}"
+            --rdzv-conf timeout="$INIT_TIMEOUT")
+        return
+    fi
+    # Elastic: MASTER_ADDR's launcher hosts it (a second one there finds the port taken, and joins).
+    if (( held )) && (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; then held=0; fi
+    RDZV_HOST=${RDZV_HOST:-$held} RDZV_ENDPOINT=$MASTER_ADDR:$MASTER_PORT
+    # Each round's rank 0 hosts its workers' store, not the first round's, which may be gone. The
+    # workers know the job is elastic, and whether a SIGTERM here ends it.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NNODES RDZV_HOST RDZV_ENDPOINT
+    rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+        --rdzv-id "$RUN_ID" ${node_addr:+--local-addr "$node_addr"}
+        --rdzv-conf "join_timeout=$INIT_TIMEOUT,last_call_timeout=$LAST_CALL,is_host=$RDZV_HOST")
+    if (( RDZV_HOST )); then
+        echo "launch.sh: this node hosts the rendezvous at $RDZV_ENDPOINT, and must stay" >&2
+        return
+    fi
+    echo "launch.sh: joining the rendezvous at $RDZV_ENDPOINT, which another node hosts" >&2
+    # Until it answers, in the background: a SIGTERM ends the wait at once.
+    timeout "$INIT_TIMEOUT" bash -c 'until (exec 3<>"/dev/tcp/$0/$1"); do sleep 0.5; done' \
+        "$MASTER_ADDR" "$MASTER_PORT" 2>/dev/null &
+    if wait $!; then return; fi
+    if (( stopping )); then kill $! 2>/dev/null || true; exit 143; fi
+    fail "no rendezvous answered at MASTER_ADDR:MASTER_PORT $RDZV_ENDPOINT within INIT_TIMEOUT" \
+        "$INIT_TIMEOUT s; expected launch.sh running on the node that holds $MASTER_ADDR"
+}
+
+discover() {  # "held address": 1 if this machine holds MASTER_ADDR, else 0; its address toward it
+    python3 - "$MASTER_ADDR" <<'PY'
+import ipaddress, socket, sys
+def source(addr, bind=False):  # bound: this machine's own; a UDP connect (sending nothing): the
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # address it sends from
+            s.bind((addr, 0)) if bind else s.connect((addr, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return ""
+found = list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(sys.argv[1], None)))
+loopback = lambda addr: ipaddress.ip_address(addr).is_loopback
+held = sorted((a for a in found if source(a, bind=True)), key=loopback)  # a network card's first
+toward = (held or found)[0]
+if loopback(toward):  # its name at 127.0.1.1: the others reach it by its default route's address
+    toward = "2001:db8::1" if ":" in toward else "192.0.2.1"
+print(int(bool(held)), source(toward))
+PY
+}
+
+# SIGTERM (SLURM, Kubernetes, a spot notice): the workers agree on a step, save last.pt and exit 0.
+# torchrun ignores it: it would stop them too and exit 1 with a traceback (docs/launching.md).
 stopping=0 torchrun_pid=
-children() {  # the pids whose parent is $1, read from /proc: slim images lack procps (pgrep)
-    local stat line ppid
-    for stat in /proc/[0-9]*/stat; do
-        { read -r line <"$stat"; } 2>/dev/null || continue
-        read -r _ ppid _ <<<"${line##*) }"  # after the command's name, which may hold blanks
-        if [[ $ppid == "$1" ]]; then stat=${stat#/proc/}; echo "${stat%/stat}"; fi
-    done
-}
-running() {  # pid: not ended, nor a zombie that nobody reaps (a container's init may not)
-    local line
-    { read -r line <"/proc/$1/stat"; } 2>/dev/null && [[ ${line##*) } != Z* ]]
-}
-forward() {
-    local pid
-    while [[ -n $torchrun_pid ]] && running "$torchrun_pid"; do
-        for pid in $(children "$torchrun_pid"); do kill -TERM "$pid" 2>/dev/null || true; done
-        sleep 1
-    done
-}
-leave() {  # torchrun stopped first: it can start no worker that the SIGTERMs would miss
-    local workers pid
-    kill -STOP "$torchrun_pid" 2>/dev/null || true
-    workers=$(children "$torchrun_pid")
-    for pid in $workers; do kill -TERM "$pid" 2>/dev/null || true; done
-    kill -KILL "$torchrun_pid" 2>/dev/null || true
-    wait "$torchrun_pid" 2>/dev/null || true  # reaped here: no "Killed" line from bash
-    for pid in $workers; do while running "$pid"; do sleep 0.2; done; done
-    exit 143
-}
-stop() {  # once: a second SIGTERM must not cut the first one's stop short
-    trap '' TERM
-    if [[ ${NNODES:-} == *:* && ${RDZV_HOST:-} != 1 ]]; then leave; else forward; fi
-}
 trap 'stopping=1; [[ -z $torchrun_pid ]] || stop' TERM
 
-wait_for_rendezvous() {  # address, port, seconds: until node 0's torchrun listens there; else one line, exit 1
-    local probe status=0
-    if (( stopping )); then exit 143; fi
-    # In the background: a SIGTERM interrupts `wait` at once, not after the timeout.
-    timeout "$3" bash -c 'until (exec 3<>"/dev/tcp/$0/$1") 2>/dev/null; do sleep 0.5; done' "$1" "$2" &
-    probe=$!
-    wait "$probe" || status=$?
-    if (( stopping )); then kill "$probe" 2>/dev/null || true; exit 143; fi
-    if (( status )); then
-        echo "launch.sh: error: no rendezvous answered at MASTER_ADDR:MASTER_PORT $1:$2 within INIT_TIMEOUT $3 s;" \
-            "expected launch.sh running on the node that holds $1 (it hosts the rendezvous), reachable from here" >&2
-        exit 1
-    fi
+stop() {  # once: a second SIGTERM must not cut the first one's stop short
+    local pid workers idle=0 leave=0
+    trap '' TERM
+    # An elastic node other than the rendezvous host leaves: its torchrun, stopped, starts no worker
+    # the SIGTERMs miss, nor takes their exit for the job's end, which would end the rendezvous.
+    if (( elastic && !RDZV_HOST )); then leave=1; kill -STOP "$torchrun_pid" || true; fi
+    # Each second, as a worker ignores it until train_ddp.py starts. An elastic host's torchrun,
+    # its workers gone, would wait 300 s for the nodes that left (a cancelled job), then fail.
+    while kill -0 "$torchrun_pid" 2>/dev/null; do
+        workers=$(children "$torchrun_pid")
+        for pid in $workers; do kill -TERM "$pid" 2>/dev/null || true; done
+        if [[ -n $workers ]] || (( !elastic )); then
+            idle=0
+        elif (( leave || ++idle > 15 )); then
+            kill -KILL "$torchrun_pid" || true
+            wait "$torchrun_pid" 2>/dev/null || exit 143  # reaped: no "Killed" line from bash
+        fi
+        sleep 1
+    done
+    wait "$torchrun_pid" || exit  # with torchrun's status
+    exit 0
 }
 
-usage="usage: bash launch.sh N [train_ddp.py args...], N = processes on this machine"
-n=${1:-}
-if [[ ! $n =~ ^[1-9][0-9]*$ ]]; then
-    echo "launch.sh: error: N must be a positive integer, got '$n'; $usage" >&2
-    exit 2
-fi
-shift
-if [[ -n ${NNODES:-} ]]; then
-    if [[ ! $NNODES =~ ^([1-9][0-9]*)(:([1-9][0-9]*))?$ ]] || (( ${BASH_REMATCH[3]:-$NNODES} < BASH_REMATCH[1] )); then
-        echo "launch.sh: error: NNODES must be a number of nodes N or a range MIN:MAX," \
-            "1 <= MIN <= MAX; got '$NNODES'" >&2
-        exit 2
-    elif [[ $NNODES == *:* && -z ${RUN_ID:-${SLURM_JOB_ID:-}} ]]; then
-        echo "launch.sh: error: NNODES=$NNODES needs RUN_ID: one id for the job, the same on every node" >&2
-        exit 2
+children() {  # of $1, not yet ended: from /proc without procps (slim images), ps without /proc
+    local stat line state ppid
+    if [[ ! -d /proc/self ]]; then
+        ps -A -o pid= -o ppid= -o stat= | awk -v p="$1" '$2 == p && $3 !~ /^Z/ {print $1}'
+        return
     fi
-fi
-for name in INIT_TIMEOUT LAST_CALL MAX_RESTARTS NODE_RANK MASTER_PORT; do
-    if [[ ! ${!name:-0} =~ ^(0|[1-9][0-9]*)$ ]]; then  # a leading 0 would make bash read octal
-        echo "launch.sh: error: $name must be a whole number, got '${!name}'" >&2
-        exit 2
-    fi
-done
-if [[ ! ${RDZV_HOST:-0} =~ ^[01]$ ]]; then
-    echo "launch.sh: error: RDZV_HOST must be 1 (this node hosts the rendezvous) or 0, got '$RDZV_HOST'" >&2
-    exit 2
-fi
-# A node that leaves stays in the rendezvous until it misses 3 heartbeats of 5 s; the others then wait
-# LAST_CALL for more nodes: all of it within INIT_TIMEOUT, or every leave ends the job.
-if [[ ${NNODES:-} == *:* ]] && (( ${INIT_TIMEOUT:-60} <= ${LAST_CALL:-30} + 15 )); then
-    echo "launch.sh: error: INIT_TIMEOUT ${INIT_TIMEOUT:-60} s must be more than LAST_CALL ${LAST_CALL:-30} s" \
-        "+ 15 s, the time a node that left stays in the rendezvous (3 missed heartbeats of 5 s)" >&2
-    exit 2
-fi
+    for stat in /proc/[0-9]*/stat; do
+        { read -r line <"$stat"; } 2>/dev/null || continue
+        read -r state ppid _ <<<"${line##*) }"  # after the command's name, which may hold blanks
+        if [[ $ppid == "$1" && $state != Z ]]; then stat=${stat#/proc/}; echo "${stat%/stat}"; fi
+    done
+}
 
-cores=$(getconf _NPROCESSORS_ONLN)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
-
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" >/dev/null && pwd)  # >/dev/null: cd prints it under CDPATH
-# Bad arguments, or more processes than GPUs, fail here, once, with one line, before any
-# worker or port exists.
-LOCAL_WORLD_SIZE=$n python3 "$here/train_ddp.py" --dry-run "$@"
-
-restarts=${MAX_RESTARTS:-0}
-if [[ -n ${NNODES:-} ]]; then
-    : "${MASTER_ADDR:?set MASTER_ADDR (node 0 host)}"
-    port=${MASTER_PORT:-29500} addr=$MASTER_ADDR is_host= host_why= node_addr= dev=
-    # Node 0 hosts an elastic job's rendezvous: MASTER_ADDR is this hostname, or it (or an address its name
-    # resolves to, such as Debian's 127.0.1.1 for the machine's own name) is an address of this machine.
-    if [[ ${MASTER_ADDR%%.*} == "${HOSTNAME%%.*}" ]]; then
-        is_host=true host_why="MASTER_ADDR is this hostname"
-    fi
-    # gloo finds its address from the hostname, which often resolves to 127.0.1.1: unless set, both backends
-    # use the interface that reaches MASTER_ADDR (on node 0, the one that holds it), and torchrun this node's
-    # address there.
-    if command -v ip >/dev/null; then
-        addrs=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1}' | sort -u) || true
-        if [[ -z $addrs ]]; then
-            echo "launch.sh: error: MASTER_ADDR '$MASTER_ADDR' has no IPv4 address here; expected node 0's name or" \
-                "IPv4 address" >&2
-            exit 2
-        fi
-        addr=${addrs%%$'\n'*} is_host=${is_host:-false}
-        for candidate in $addrs; do
-            if [[ $(ip route get "$candidate" 2>/dev/null) == local* ]]; then
-                addr=$candidate is_host=true host_why="this machine holds MASTER_ADDR $candidate"
-            fi
-        done
-        why="reaches MASTER_ADDR $addr"
-        if [[ -n ${GLOO_SOCKET_IFNAME:-} ]]; then  # the user's, a list too (eth0,eth1): names gloo must find
-            for dev in ${GLOO_SOCKET_IFNAME//,/ }; do
-                if [[ ! -e /sys/class/net/$dev ]]; then
-                    names=(/sys/class/net/*)
-                    echo "launch.sh: error: GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME names '$dev', which this" \
-                        "machine lacks; expected some of its interfaces: ${names[*]##*/}" >&2
-                    exit 2
-                fi
-            done
-            dev=${GLOO_SOCKET_IFNAME%%,*}
-        elif [[ $is_host == true ]]; then  # the interface that holds it; for loopback, the default route's
-            dev=$(ip -o addr show to "$addr" | awk '$2 != "lo" {print $2; exit}')
-            if [[ -z $dev ]]; then
-                dev=$(ip route show default | grep -o 'dev [^ ]*' | cut -d' ' -f2 | head -n 1) || true
-                why="the default route's: MASTER_ADDR is $addr, on loopback here"
-            fi
-        else
-            dev=$(ip route get "$addr" 2>/dev/null | grep -o 'dev [^ ]*' | cut -d' ' -f2) || true
-        fi
-        if [[ -n $dev && $dev != lo ]]; then
-            node_addr=$(ip -o -4 addr show dev "$dev" | awk '{sub("/.*", "", $4); print $4; exit}')
-        fi
-        if [[ -z ${GLOO_SOCKET_IFNAME:-} && -n $node_addr ]]; then
-            export GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
-            echo "launch.sh: GLOO_SOCKET_IFNAME=$dev NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME ($why)" >&2
-        elif [[ -z ${GLOO_SOCKET_IFNAME:-} ]]; then  # no route, or no interface but loopback
-            echo "launch.sh: only loopback reaches MASTER_ADDR $addr: set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME" >&2
-        fi
-    fi
-    if [[ $NNODES == *:* ]]; then
-        case ${RDZV_HOST:-} in
-            1) is_host=true host_why="RDZV_HOST=1" ;;
-            0) is_host=false ;;
-        esac
-        if [[ -z $is_host ]]; then  # its SIGTERM would take the rendezvous down, or end the job
-            echo "launch.sh: error: without the ip command (iproute2), launch.sh cannot tell whether this node holds" \
-                "MASTER_ADDR $MASTER_ADDR; set RDZV_HOST=1 on the node that does, 0 on the others" >&2
-            exit 2
-        fi
-        # torchrun's c10d rendezvous, hosted by node 0's launcher, which must stay; every round's rank 0 hosts
-        # its workers' store (not the first round's, which may be gone).
-        # The workers know it too: a SIGTERM on this node ends the job, saved, on every node.
-        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NNODES RDZV_ENDPOINT=$MASTER_ADDR:$port
-        if [[ $is_host == true ]]; then export RDZV_HOST=1; else export RDZV_HOST=0; fi
-        restarts=${MAX_RESTARTS:-3}
-        conf="join_timeout=${INIT_TIMEOUT:-60},last_call_timeout=${LAST_CALL:-30}${is_host:+,is_host=$is_host}"
-        rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$port" --rdzv-conf "$conf"
-                    --rdzv-id "${RUN_ID:-$SLURM_JOB_ID}" ${node_addr:+--local-addr "$node_addr"})
-        if [[ $is_host == true ]]; then
-            echo "launch.sh: this node hosts the rendezvous at $MASTER_ADDR:$port ($host_why): it must stay to" \
-                "the job's end; MASTER_ADDR must not be a node that may leave (a spot node)" >&2
-        elif [[ $is_host == false ]]; then  # the rendezvous must answer within INIT_TIMEOUT, or one line here
-            echo "launch.sh: joining the rendezvous at $MASTER_ADDR:$port, which another node hosts" \
-                "(RDZV_HOST=1 if this one does)" >&2
-            wait_for_rendezvous "$MASTER_ADDR" "$port" "${INIT_TIMEOUT:-60}"
-        fi
-    else
-        : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
-        rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
-                    --master-port "${MASTER_PORT:-29500}" --rdzv-conf "timeout=${INIT_TIMEOUT:-60}"
-                    --rdzv-id "${RUN_ID:-${SLURM_JOB_ID:-none}}")
-    fi
-else
-    # The OS picks a free port and torchrun holds it: no clash with port 29500 or another job.
-    rendezvous=(--standalone)
-fi
-# torchrun as `python3 -m`: the python3 of the dry run, whatever torchrun comes first on PATH.
-(trap '' TERM; PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec python3 -m torch.distributed.run \
-    "${rendezvous[@]}" --nproc-per-node "$n" --max-restarts "$restarts" "$here/train_ddp.py" "$@") &
-torchrun_pid=$!
-if (( stopping )); then stop; fi  # a signal that came before torchrun had a pid
-status=0
-wait "$torchrun_pid" || status=$?
-# A trapped signal interrupts `wait` (status > 128) before torchrun is done: wait for its own status.
-while (( stopping && status > 128 )); do
-    stopping=0 status=0
-    wait "$torchrun_pid" || status=$?
-done
-exit "$status"
+main "$@"

@@ -76,6 +76,14 @@ def descendants(pid):
     return found
 
 
+def proc_file(pid, name):
+    """The bytes of /proc/<pid>/<name>, or b"" once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:  # gone, or not ours to read
+        return b""
+
+
 def kill_tree(proc, sig=signal.SIGKILL):
     """torchrun starts each worker in its own session, so killing its process group is not enough."""
     kill_pids([proc.pid, *descendants(proc.pid)], sig)

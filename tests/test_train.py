@@ -15,8 +15,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import ROOT, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, free_port, kill_tree, \
-    load, metrics, noise_image, ok, run, start, torchrun, write_images
+from conftest import ROOT, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, finish, \
+    free_port, kill_tree, load, metrics, noise_image, ok, proc_file, run, start, torchrun, write_images
 
 pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own RUN_TIMEOUT
 
@@ -55,6 +55,25 @@ def test_torchrun_launch(tmp_path):
     result = ok(run(torchrun(2, *TINY, "--train-samples", "64", "--epochs", "1", "--checkpoint-dir", tmp_path)))
     assert "2 x cpu (gloo)" in result.stdout and "epoch 1/1 train_loss" in result.stdout
     assert load(tmp_path / "last.pt")["epoch"] == 1
+
+
+def test_launch_sh_gives_each_process_the_cpus_it_may_use(tmp_path):
+    # taskset, SLURM's ConstrainCores and docker --cpuset-cpus give a process fewer CPUs than the machine has:
+    # launch.sh counted the machine's (getconf), and OMP_NUM_THREADS oversubscribed the one CPU allowed here.
+    env = clean_env()
+    del env["OMP_NUM_THREADS"]
+    job = start(["taskset", "-c", "0", "bash", LAUNCH, "1", *TINY, "--train-samples", "64", "--epochs", "1",
+                 "--checkpoint-dir", tmp_path], env)
+    threads, deadline = None, time.monotonic() + 60
+    while threads is None and job.poll() is None and time.monotonic() < deadline:
+        for pid in descendants(job.pid):
+            command = proc_file(pid, "cmdline")
+            if b"train_ddp.py" in command and not (b"--dry-run" in command or b"torch.distributed.run" in command):
+                environ = dict(v.split(b"=", 1) for v in proc_file(pid, "environ").split(b"\0") if b"=" in v)
+                threads = environ.get(b"OMP_NUM_THREADS")
+        time.sleep(0.05)
+    ok(finish(job, RUN_TIMEOUT))
+    assert threads == b"1", threads
 
 
 def shift_between(train_image, val_image, max_shift):
