@@ -38,6 +38,11 @@ NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communic
 # gloo's errors name their transport's file, but for what a timed-out receive tells every other
 # operation of the group (gloo/transport/tcp/unbound_buffer.cc), which DDP's backward may see first.
 GLOO_FAILURES = ("gloo/transport", "Application timeout caused pair closure")
+# The flight recorder's dump path, under each name torch reads: the first one set wins (c10d/Utils.hpp,
+# getCvarString). Torch before 2.11 reads the older name alone.
+TRACE_FILE_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+if TorchVersion(torch.__version__) < (2, 11):
+    TRACE_FILE_NAMES = TRACE_FILE_NAMES[::-1]
 
 
 # ------------------------------------------------------------------------- one-line failures
@@ -387,17 +392,20 @@ def raise_nccl_timeouts(args):
     """A collective past --collective-timeout dumps each rank's flight recorder beside the
     checkpoints and aborts NCCL, so that the next collective raises for collective_failed()'s line:
     TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not torchrun's 1, which kills without a line. The user's
-    values win."""
+    values win, under any of the names torch reads."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    # torchrun sets the new name to 1 where it is unset: a 1 there gives way to the legacy name.
+    handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if handling == "1":
+        handling = os.environ.get("NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2" if handling == "1" else handling
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
-    settings = {"TORCH_FR_DUMP_TEMP_FILE": trace}  # from torch 2.11 it records and dumps by default
-    if TorchVersion(torch.__version__) < (2, 11):  # which warns of these names
-        settings = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
-    for name, value in settings.items():
-        os.environ.setdefault(name, value)
+    settings = [(TRACE_FILE_NAMES, trace)]  # from torch 2.11 it records and dumps by default
+    if TorchVersion(torch.__version__) < (2, 11):
+        settings += [(("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
+                     (("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT"), "1")]
+    for names, value in settings:  # the user's value, else ours, under the name torch reads first
+        os.environ[names[0]] = next((os.environ[name] for name in names if name in os.environ), value)
 
 
 def check_master_env():
@@ -451,9 +459,7 @@ def collective_failed(error, args):
     gone = isinstance(error, dist.DistBackendError) or first_line(error).startswith(NCCL2_FAILURES)
     if not gone and not any(words in str(error) for words in GLOO_FAILURES):
         raise error
-    dump = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get(
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
-    trace = Path(dump + str(dist.get_rank()))
+    trace = Path(os.environ.get(TRACE_FILE_NAMES[0], "") + str(dist.get_rank()))
     recorded = f"; its last collectives: {trace}"
     if shutil.which("torchfrtrace"):
         recorded += f" (every rank's: torchfrtrace {trace.parent})"

@@ -357,7 +357,8 @@ def test_unreadable_takes_the_path_from_a_dataloader_workers_text():
 
 # ----------------------------------------------------------------- the device, the process group
 NCCL_VARIABLES = ["TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-                  "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+                  "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "NCCL_ASYNC_ERROR_HANDLING",
+                  "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_ON_TIMEOUT"]
 
 
 def test_raise_nccl_timeouts_sets_what_the_user_did_not(tmp_path, monkeypatch):
@@ -369,12 +370,26 @@ def test_raise_nccl_timeouts_sets_what_the_user_did_not(tmp_path, monkeypatch):
             monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", given)
         guard.raise_nccl_timeouts(args)
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == kept, given
-    trace = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    trace = os.environ[guard.TRACE_FILE_NAMES[0]]
     assert trace == f"{tmp_path}/ck/nccl_trace_rank_" and (tmp_path / "ck").is_dir()
     for name in NCCL_VARIABLES[1:]:
         monkeypatch.setenv(name, "mine")
     guard.raise_nccl_timeouts(args)
     assert all(os.environ[name] == "mine" for name in NCCL_VARIABLES[1:])
+
+
+def test_raise_nccl_timeouts_takes_the_users_values_under_the_older_names(tmp_path, monkeypatch):
+    # torch reads the first name set (c10d/Utils.hpp): train_ddp.py's default under the new name hid a user's
+    # path under the older one, and torchrun's 1 under the new name a user's legacy NCCL_ASYNC_ERROR_HANDLING.
+    for name in NCCL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path / "ck")])
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/mine/trace_")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's
+    monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "3")
+    guard.raise_nccl_timeouts(args)
+    assert os.environ[guard.TRACE_FILE_NAMES[0]] == "/mine/trace_"  # what this torch reads first
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 def test_store_of_this_attempt_prefixes_each_restart_and_drops_the_old_nccl_signals(monkeypatch):
