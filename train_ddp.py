@@ -159,9 +159,15 @@ def init_distributed(args, device):
     bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator, at once
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: a store in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
-        return
+    else:
+        join_process_group(args, backend, rank, world_size, bind)
+    guard.set_collective_timeout(args.collective_timeout)
+
+
+def join_process_group(args, backend, rank, world_size, bind):
+    """The ranks meet at MASTER_ADDR:MASTER_PORT within --init-timeout (the rendezvous and gloo's
+    connections); one line from each rank if they do not."""
     guard.check_master_env()
-    # --init-timeout for the rendezvous and gloo's connections; then --collective-timeout.
     timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
@@ -172,7 +178,6 @@ def init_distributed(args, device):
         gather_utils.all_gather_object(None)  # on GPUs gloo's first collective: its problems now
     except (RuntimeError, ValueError) as e:
         guard.rank_error(guard.init_failure(e, args, world_size))
-    guard.set_collective_timeout(args.collective_timeout)
 
 
 # --------------------------------------------------------------- 4. to 7., in the process group

@@ -3,6 +3,7 @@
 Every run uses a tiny configuration (ResNet-18 at 32 px, a few hundred synthetic images), a
 free port, tmp_path for its files, and a hard timeout, so a hang fails fast.
 """
+import datetime
 import json
 import math
 import re
@@ -13,6 +14,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torchvision
 
 from conftest import ROOT, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, finish, \
@@ -279,6 +281,23 @@ def test_plain_python_runs_as_one_process(tmp_path):
                      "--metrics-file", tmp_path / "m.jsonl"]))
     assert "1 x cpu (gloo)" in result.stdout
     assert len(metrics(tmp_path / "m.jsonl")[0]["replica_checksums"]) == 1
+
+
+@pytest.mark.quick
+def test_one_process_without_a_launcher_takes_the_collective_timeout(monkeypatch):
+    # Its process group is made from a store in memory, and returned before --collective-timeout was set: it kept
+    # torch's default (30 min), where a GPU hang would sit.
+    import train_ddp
+
+    for name in ["WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID"]:
+        monkeypatch.delenv(name, raising=False)
+    args = train_ddp.parse_args(["--arch", "resnet18", "--collective-timeout", "7"])
+    train_ddp.init_distributed(args, torch.device("cpu"))
+    try:
+        timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    finally:
+        dist.destroy_process_group()
+    assert timeout == datetime.timedelta(seconds=7)
 
 
 @pytest.mark.quick
