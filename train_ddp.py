@@ -195,9 +195,12 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         metrics = validate(model, val_set, args, to_input)
         append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
         return log(json.dumps(metrics))
-    model = wrap_ddp(model, args, device, warmup_steps=round(args.warmup_epochs * steps))
-    optimizer, scaler = build_optimizer(model, args)
     global_batch = args.batch_size * args.accum_steps * dist.get_world_size()
+    done = 0  # the epochs trained (PowerSGD compresses once the warm-up's are)
+    if checkpoint:
+        done = checkpoint["epoch"] + checkpoint["samples"] / (steps * global_batch)
+    model = wrap_ddp(model, args, device, warmup_steps=round((args.warmup_epochs - done) * steps))
+    optimizer, scaler = build_optimizer(model, args)
     run = Training(model, optimizer, scaler, steps_per_epoch=steps, images_per_step=global_batch)
     if checkpoint:
         restore_training_state(checkpoint, run)
@@ -297,7 +300,9 @@ def register_comm_hook(ddp, name, warmup_steps):
     """Replace DDP's plain all-reduce of gradients by the hook `name` (fp16, bf16, powersgd)."""
     if name in ("fp16", "bf16"):
         ddp.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
-    elif name == "powersgd":  # plain all-reduce in the warm-up; the state keeps the error feedback
+    elif name == "powersgd":
+        # Plain all-reduce for the warm-up's steps left, and always the 2 before DDP rebuilds its
+        # buckets; the state keeps the error feedback, which a resume starts again at zero.
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=max(2, warmup_steps))
         ddp.register_comm_hook(state, guard.powersgd_hook_for_gloo_too)

@@ -149,3 +149,4 @@ def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_c
         assert buffer is not None and buffer.stride() == p.stride(), i
         want = checkpoint["state"][i]["momentum_buffer"] if i in had else torch.zeros_like(p)
         torch.testing.assert_close(buffer, want, rtol=0, atol=0, msg=str(i))
+

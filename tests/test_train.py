@@ -506,6 +506,24 @@ def test_comm_hook_trains(tmp_path, hook, extra):
     assert any(not torch.equal(a[key], b[key]) for key in a)
 
 
+def test_a_resume_past_the_warm_up_goes_on_compressing_with_powersgd(tmp_path):
+    # A new PowerSGDState counts from 0: every resume went back to plain all-reduce for the warm-up's steps (an
+    # epoch by default). Resumed after the warm-up, it compresses from the third step (DDP rebuilds its buckets
+    # after the first), so its weights differ from a resume with no hook; in one process too, where the
+    # compression is the only difference.
+    args = [sys.executable, TRAIN, "--arch", "resnet18", "--train-samples", "128",
+            "--val-samples", "16", "--batch-size", "16", "--warmup-epochs", "1"]
+    ok(run([*args, "--epochs", "1", "--comm-hook", "powersgd", "--checkpoint-dir", tmp_path / "first"]))
+    for hook in "powersgd", "none":
+        ok(run([*args, "--epochs", "2", "--comm-hook", hook, "--resume", tmp_path / "first" / "last.pt",
+                "--checkpoint-dir", tmp_path / hook]))
+    compressed, plain = (load(tmp_path / hook / "last.pt")["model"]
+                         for hook in ("powersgd", "none"))
+    assert all(tensor.isfinite().all() for tensor in compressed.values())
+    assert any(not torch.equal(compressed[key], plain[key]) for key in compressed)
+
+
+
 def test_amp_fp16_runs_with_grad_scaler(tmp_path):
     # fp16 autocast is slow on CPU: 4 steps only, to check that the GradScaler really runs.
     ok(run(torchrun(2, "--arch", "resnet18", "--train-samples", "64", "--val-samples", "10", "--batch-size", "8",
