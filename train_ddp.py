@@ -54,6 +54,9 @@ SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # torchvision's weights'
 SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-resized crops of 8%
 BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
+# With --compile each rank compiles in its first step, minutes apart where their caches differ:
+# the collectives wait this long until every rank has (train_one_epoch), then --collective-timeout.
+COMPILE_TIMEOUT = 1800
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
                    "rng"}
 
@@ -161,7 +164,7 @@ def init_distributed(args, device):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
     else:
         join_process_group(args, backend, rank, world_size, bind)
-    guard.set_collective_timeout(args.collective_timeout)
+    guard.set_collective_timeout(COMPILE_TIMEOUT if args.compile else args.collective_timeout)
 
 
 def join_process_group(args, backend, rank, world_size, bind):
@@ -391,6 +394,8 @@ def train_one_epoch(run, loader, args, to_input, stop):
     while run.step < run.steps_per_epoch:
         if stop.agreed():
             return None, True
+        if args.compile and run.step == clock.first_step + 2:  # every rank has compiled by now
+            guard.set_collective_timeout(args.collective_timeout)
         micro_batches = upcoming
         if run.step + 1 < run.steps_per_epoch:
             with clock.waiting():
