@@ -38,8 +38,8 @@ NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communic
 # gloo's errors name their transport's file, but for what a timed-out receive tells every other
 # operation of the group (gloo/transport/tcp/unbound_buffer.cc), which DDP's backward may see first.
 GLOO_FAILURES = ("gloo/transport", "Application timeout caused pair closure")
-# The flight recorder's dump path, under each name torch reads: the first one set wins (c10d/Utils.hpp,
-# getCvarString). Torch before 2.11 reads the older name alone.
+# The flight recorder's dump path, under each name torch reads: the first one set wins
+# (c10d/Utils.hpp, getCvarString). Torch before 2.11 reads the older name alone.
 TRACE_FILE_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 if TorchVersion(torch.__version__) < (2, 11):
     TRACE_FILE_NAMES = TRACE_FILE_NAMES[::-1]
@@ -187,8 +187,9 @@ def check_args(args):
     interfaces = {name for _, name in socket.if_nameindex()}
     for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(","):  # gloo's list: each must exist
         if name and name not in interfaces:
-            fail(f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} names '{name}', which this "
-                 f"machine lacks; expected some of its interfaces: {' '.join(sorted(interfaces))}")
+            fail(f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} names '{name}', which "
+                 f"this machine lacks; expected some of its interfaces: "
+                 f"{' '.join(sorted(interfaces))}")
     if args.metrics_file:
         if Path(args.metrics_file).is_dir():
             fail(f"--metrics-file {args.metrics_file}: a directory; expected a file to append to")
@@ -405,7 +406,8 @@ def raise_nccl_timeouts(args):
         settings += [(("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
                      (("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT"), "1")]
     for names, value in settings:  # the user's value, else ours, under the name torch reads first
-        os.environ[names[0]] = next((os.environ[name] for name in names if name in os.environ), value)
+        given = [os.environ[name] for name in names if name in os.environ]
+        os.environ[names[0]] = given[0] if given else value
 
 
 def check_master_env():

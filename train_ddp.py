@@ -54,9 +54,7 @@ SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # torchvision's weights'
 SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-resized crops of 8%
 BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
-# With --compile each rank compiles in its first step, minutes apart where their caches differ:
-# the collectives wait this long until every rank has (train_one_epoch), then --collective-timeout.
-COMPILE_TIMEOUT = 1800
+COMPILE_TIMEOUT = 1800  # what collectives wait for the ranks' compilation: see wrap_ddp
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
                    "rng"}
 
@@ -164,7 +162,7 @@ def init_distributed(args, device):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
     else:
         join_process_group(args, backend, rank, world_size, bind)
-    guard.set_collective_timeout(COMPILE_TIMEOUT if args.compile else args.collective_timeout)
+    guard.set_collective_timeout(args.collective_timeout)
 
 
 def join_process_group(args, backend, rank, world_size, bind):
@@ -293,9 +291,12 @@ def wrap_ddp(model, args, device, warmup_steps):
     register_comm_hook(ddp, args.comm_hook, warmup_steps)
     if not args.compile:
         return ddp
-    # Compiled after DDP wraps it, as PyTorch advises: the graph splits at the gradient buckets,
-    # whose all-reduces still overlap the backward. DDP warns of inductor's gradient strides.
+    # Compiled after DDP wraps it: the graph splits at the gradient buckets, whose all-reduces still
+    # overlap the backward (docs/training.md). DDP warns of inductor's gradient strides.
     warnings.filterwarnings("ignore", "Grad strides do not match bucket view strides")
+    # Each rank compiles in its first step, minutes apart where their caches differ: until every
+    # rank has (train_one_epoch's third step), the collectives wait COMPILE_TIMEOUT.
+    guard.set_collective_timeout(COMPILE_TIMEOUT)
     return torch.compile(ddp)
 
 
