@@ -7,8 +7,8 @@
 # --collective-timeout shows on NCCL; train_ddp.py on NCCL in fp16 with the fp16 hook (after a first
 # step made to overflow) under check_syncs.py; a CPU checkpoint resumed on the GPU with
 # --channels-last; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against
-# one process); SIGTERM mid-epoch; on torch 2.15 or later, the NCCL steps again on the old
-# ProcessGroupNCCL; --compile.
+# one process); SIGTERM mid-epoch; on torch 2.15 or later, the collective past its timeout again
+# on the old ProcessGroupNCCL; --compile.
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds from its start (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
@@ -40,9 +40,10 @@ cd "$(dirname "$0")"
 # and the checks after each (one import of torch for each checkpoint they read), 319 s on the GPU
 # machine's torch 2.11, inside 420; the deadline leaves 221 s more for estimates that are low. torch
 # 2.15 made its `nccl` backend ProcessGroupNCCL2 and kept the old ProcessGroupNCCL behind
-# TORCH_DIST_USE_NCCL2=0: there the steps of from_torch_2_15 run the NCCL steps again on the old
-# one, 85 s more (404 s, inside the deadline; after them only --compile, the first that a deadline
-# would cut). Before 2.15 they are listed as not applicable, and cost nothing.
+# TORCH_DIST_USE_NCCL2=0: there from_torch_2_15 runs the timeout step again on the old one, where
+# the two differ, 30 s more (349 s; after it only --compile, the first that a deadline would cut).
+# The old one's gathers are the same code as gather_nccl's before 2.15. Before 2.15 the step is
+# listed as not applicable, and costs nothing.
 # Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from
 # --weights, the rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16
 # and channels-last at 64 px beside the headline's, and JPEG photographs (at a size that fits, their
@@ -54,9 +55,8 @@ cd "$(dirname "$0")"
 # GPUs); the gather tests over gloo with CUDA tensors on 2 ranks (the two-rank step sends CUDA
 # tensors over gloo: DDP's all-reduce, SyncBN's gathers; gather_utils' CUDA paths run over NCCL).
 plan=(gather_nccl 35 gather_mixed_group 20 headline 40 nccl_timeout 30 train_fp16_hook_fp16 24 resume 22
-      shared_device_sync_bn_and_replicas 25 sigterm 20 gather_nccl_legacy 35 gather_mixed_group_legacy 20
-      nccl_timeout_legacy 30 compile 90)
-from_torch_2_15=(gather_nccl_legacy gather_mixed_group_legacy nccl_timeout_legacy)
+      shared_device_sync_bn_and_replicas 25 sigterm 20 nccl_timeout_legacy 30 compile 90)
+from_torch_2_15=(nccl_timeout_legacy)
 probes_and_checks=13
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
@@ -522,13 +522,8 @@ step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_
 verify sigterm "assert 'continue with --resume' in log('sigterm'), 'no checkpoint line'
 c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c['epoch'], c['step'])"
 
-# torch 2.15 and later: the NCCL steps again on the old ProcessGroupNCCL, which TORCH_DIST_USE_NCCL2=0 selects.
-one_nccl gather_nccl_legacy || needs_gpu gather_nccl_legacy ||
-    step gather_nccl_legacy 150 env TORCH_DIST_USE_NCCL2=0 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
-        --backend nccl
-one_nccl gather_mixed_group_legacy || needs_gpu gather_mixed_group_legacy ||
-    step gather_mixed_group_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${torchrun[@]}" --nproc-per-node 1 test_gather.py \
-        --backend cpu:gloo,cuda:nccl
+# torch 2.15 and later: the collective past its timeout again on the old ProcessGroupNCCL, which
+# TORCH_DIST_USE_NCCL2=0 selects.
 one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
     step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
 timed_out_verified nccl_timeout_legacy

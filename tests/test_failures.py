@@ -747,7 +747,7 @@ def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
 def test_gpu_check_plan_fits_in_420_s_by_its_own_estimates():
     # A GPU session has 15 minutes at most, the machine's start included, and 10 for one command: the deadline
     # (540 s) is the margin for estimates that turn out low, not a budget to plan into. The GPU machine has torch
-    # 2.11; on 2.15 or later the NCCL steps run again on the old backend, which must still fit the deadline.
+    # 2.11; on 2.15 or later the timeout step runs again on the old backend, which must still fit the deadline.
     plan, probes_and_checks, from_torch_2_15 = gpu_check_plan()
     assert from_torch_2_15 and set(from_torch_2_15) <= plan.keys(), from_torch_2_15
     on_2_11 = sum(seconds for name, seconds in plan.items() if name not in from_torch_2_15)
@@ -757,9 +757,9 @@ def test_gpu_check_plan_fits_in_420_s_by_its_own_estimates():
 
 @pytest.mark.quick
 @pytest.mark.skipif(torch.__version__ >= "2.15", reason="this torch has both NCCL backends")
-def test_gpu_check_lists_the_second_nccl_backends_steps_as_not_applicable_before_torch_2_15(tmp_path):
-    # On the GPU machine's torch 2.11 the steps for torch 2.15's old NCCL backend run nothing, cost no time, and
-    # leave the check complete, exit code 0: not skipped by the deadline, which would make it incomplete.
+def test_gpu_check_lists_the_old_nccl_backends_step_as_not_applicable_before_torch_2_15(tmp_path):
+    # On the GPU machine's torch 2.11 the step for torch 2.15's old NCCL backend runs nothing, costs no time, and
+    # leaves the check complete, exit code 0: not skipped by the deadline, which would make it incomplete.
     _, _, from_torch_2_15 = gpu_check_plan()
     job = gpu_check(tmp_path, 300, only=" ".join(from_torch_2_15))
     wait_exit(job, 120)
