@@ -76,7 +76,15 @@ for name in "${only[@]}"; do  # a misspelt name would leave nothing to run, and 
     fi
 done
 py=python3
-if ((!rehearse)) && ! timeout 60 $py -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+probe() {  # the versions, and whether torch sees a GPU (the exit status): one import of torch for both
+    timeout 60 $py -c 'import os, sys, torch, torchvision
+cuda = torch.cuda.is_available()
+print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__,
+      "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
+      "GPUs", torch.cuda.device_count(), "cores", len(os.sched_getaffinity(0)))
+sys.exit(not cuda)'
+}
+if ((!rehearse)) && ! versions=$(probe 2>/dev/null); then
     echo "gpu_check.sh: error: torch sees no CUDA GPU here; expected the GPU machine, or --rehearse on a CPU" >&2
     exit 2
 fi
@@ -101,6 +109,7 @@ if ((rehearse)); then
     done
     py=$work/venv/bin/python
     echo "$work/packages" >"$($py -c 'import site; print(site.getsitepackages()[0])')/gpu_machine.pth"
+    versions=$(probe)
 fi
 names=() results=() seconds=() notes=()
 running= current= current_began= finished=false failed=0 incomplete=0
@@ -314,9 +323,15 @@ else
     headline=(--arch resnet50 --image-size 224 --batch-size 256 --amp bf16 --channels-last --train-samples 15360
               --val-samples 2560 --log-every 10 --workers "$(workers_for 37)")
 fi
+# Each process that imports torch takes 10 to 15 s to start here. So one rank runs as plain python,
+# without a launcher (train_ddp.py's group on a store in memory), where the launcher is not what the
+# step proves; torchrun, which is one more such process, runs nccl_timeout (its settings), the two
+# ranks, and --compile (under --collective-timeout). test_gather.py's one rank gets env://'s
+# variables, as torchrun sets them, and a store of its own on a port the system picks.
 torchrun=($py -m torch.distributed.run --standalone)
-train=("${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}")
-checked=("${torchrun[@]}" --nproc-per-node 1 tools/check_syncs.py "${small[@]}")  # train_ddp.py, watched for host syncs
+one_rank=(env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=0 "$py")
+train=($py train_ddp.py "${small[@]}")
+checked=($py tools/check_syncs.py "${small[@]}")  # train_ddp.py, watched for host syncs
 learned() {  # name [checked]: 2 epochs of falling loss over every val image in its metrics file; and no host sync
     verify "$1" "val_samples = $val; learned('$1.jsonl', 2)
 assert '${2:-}' != 'checked' or 'rank 0: 0 host waits between log lines' in log('$1'), 'host syncs'"
@@ -324,11 +339,6 @@ assert '${2:-}' != 'checked' or 'rank 0: 0 host waits between log lines' in log(
 
 date -u
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-versions=$(timeout 60 $py -c 'import sys, torch, torchvision
-cuda = torch.cuda.is_available()
-print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__,
-      "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
-      "GPUs", torch.cuda.device_count(), "cores", len(__import__("os").sched_getaffinity(0)))')
 echo "$versions"
 timeout 10 df -h /dev/shm
 torch_version_re='torch ([0-9]+)\.([0-9]+)'
@@ -346,14 +356,13 @@ done
 echo "gpu_check.sh: $steps steps for torch ${torch_version:-?}, estimated $total s in all on an H200;" \
     "deadline ${DEADLINE:-540} s"
 
-needs_gpu gather_nccl ||
-    step gather_nccl 150 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend nccl
+needs_gpu gather_nccl || step gather_nccl 150 "${one_rank[@]}" test_gather.py --backend nccl
 needs_gpu gather_mixed_group ||  # test_gather.py's MIXED_GROUP_CHECKS
-    step gather_mixed_group 90 "${torchrun[@]}" --nproc-per-node 1 test_gather.py --backend cpu:gloo,cuda:nccl
+    step gather_mixed_group 90 "${one_rank[@]}" test_gather.py --backend cpu:gloo,cuda:nccl
 
 # The headline: train_ddp.py itself at ImageNet's size, its images/s and share of time waiting for data, with no
 # host-device sync between log lines (check_syncs.py).
-step headline 150 "${torchrun[@]}" --nproc-per-node 1 tools/check_syncs.py "${headline[@]}" --epochs 1 \
+step headline 150 $py tools/check_syncs.py "${headline[@]}" --epochs 1 \
     --checkpoint-dir "$work/headline" --metrics-file "$work/headline.jsonl"
 verify headline "r, = m('headline.jsonl'); assert 'rank 0: 0 host waits between log lines' in log('headline')
 print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}, no host sync\")"
@@ -461,7 +470,7 @@ learned train_fp16_hook_fp16 checked
 # A resume across devices and memory formats: 1 epoch on the CPU (no CUDA visible: gloo, unfused SGD, contiguous
 # momentum), resumed on the GPU with --channels-last, where the fused CUDA kernel refuses momentum in a layout other
 # than its parameter's. It trains the second epoch, and saves channels-last momentum for every parameter.
-cpu_epoch=(env CUDA_VISIBLE_DEVICES= "$py" train_ddp.py "${small[@]}" --train-samples 256 --val-samples 64 --epochs 1
+cpu_epoch=(env CUDA_VISIBLE_DEVICES= "${train[@]}" --train-samples 256 --val-samples 64 --epochs 1
            --checkpoint-dir "$work/resume" --metrics-file "$work/resume.jsonl")
 step resume 90 bash -c "$(first "${cpu_epoch[@]}")" _ "${train[@]}" --channels-last --resume "$work/resume/last.pt" \
     --checkpoint-dir "$work/resume" --metrics-file "$work/resume.jsonl"
@@ -517,7 +526,7 @@ step shared_device_sync_bn_and_replicas 90 "${torchrun[@]}" --nproc-per-node 2 "
 # it saves last.pt at the step it reached and exits 0. ($0 of the inline script is the step's log.)
 sigterm_after_step_20='"$@" & for _ in $(seq 900); do grep -q "step 20/" "$0" && break; sleep 0.1; done
 kill -TERM $!; wait $!'
-step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" $py train_ddp.py "${small[@]}" "${long[@]}" \
+step sigterm 120 bash -c "$sigterm_after_step_20" "$logs/sigterm.log" "${train[@]}" "${long[@]}" \
     --epochs 1 --log-every 1 --save-every 10 --checkpoint-dir "$work/sigterm"
 verify sigterm "assert 'continue with --resume' in log('sigterm'), 'no checkpoint line'
 c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c['epoch'], c['step'])"
@@ -528,7 +537,8 @@ one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
     step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
 timed_out_verified nccl_timeout_legacy
 
-step compile 180 "${train[@]}" --compile --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
+step compile 180 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}" --compile \
+    --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
 learned compile
 verify compile "assert 'compiled (the first step compiles' in log('compile')"
 exit 0  # finish(), the EXIT trap, reports and sets the exit code

@@ -839,8 +839,9 @@ def test_gpu_check_stopped_under_timeout_leaves_no_process_and_no_work_folder(tm
 def test_what_the_gpu_machine_runs_needs_only_torch_and_torchvision(tmp_path):
     # What the GPU machine has: a virtual environment with torch, torchvision and what they need, without pytest or
     # scikit-learn (a .pth file points at links to all of this machine's packages but those). test_gather.py's
-    # torchrun entry runs there as gpu_check.sh runs it, and so does bench_data.py's photograph writer, which a user
-    # runs there by hand to time the input pipeline on that machine's cores.
+    # torchrun entry runs there as gpu_check.sh runs it (one rank on env://'s variables, its store on a port the
+    # system picks), and so does bench_data.py's photograph writer, which a user runs there by hand to time the
+    # input pipeline on that machine's cores.
     import site
     packages = Path(site.getsitepackages()[0])
     linked = tmp_path / "linked"
@@ -858,9 +859,9 @@ def test_what_the_gpu_machine_runs_needs_only_torch_and_torchvision(tmp_path):
     absent = run([python, "-c", "import pytest"], env=env, timeout=60)
     assert absent.returncode != 0 and "No module named 'pytest'" in absent.stderr, absent
     here = Path(TRAIN).parent
-    gathers = ok(run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                      here / "test_gather.py", "--checks", "check_all_gather_concat_uneven,check_all_gather_object"],
-                     env=env, timeout=120))
+    one_rank = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    gathers = ok(run([python, here / "test_gather.py", "--checks",
+                      "check_all_gather_concat_uneven,check_all_gather_object"], env=one_rank, timeout=120))
     assert "2 passed, 0 failed" in gathers.stdout, gathers.stdout
     photos = ok(run([python, here / "benchmarks" / "bench_data.py", "--write-folder", tmp_path / "photos",
                      "--images", "4", "--val-images", "2"], env=env, timeout=120))
