@@ -16,16 +16,18 @@
 #                                     # in a venv without pytest, scikit-learn and pynvml, as the GPU machine
 #   ONLY="headline resume" bash gpu_check.sh --rehearse    # only these steps
 #
-# Every step runs whatever failed before it, under a time limit of its own, and asserts its result. Past its limit a
-# step's processes get SIGABRT (PYTHONFAULTHANDLER=1: every thread's stack goes to its log), then SIGKILL. A step
-# starts only if the deadline leaves it 20 s; the rest are listed as skipped, and the check is then incomplete (so
-# is a step that the deadline, not its own limit, cut short); a step this torch has nothing for is listed as not
-# applicable, which is no failure and leaves the check complete. Without a GPU and without --rehearse it refuses at
-# once.
-# A TERM or INT, also to its whole process group (timeout, ^C), ends the step in flight and removes the work folder. Out
-# ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten after every step, each step's seconds
-# beside its estimate; logs/NAME.log, written as each step runs and packed into step_logs.tar.gz at the end (also on
-# SIGTERM). Exit code: 1 if any step failed or timed out, else 2 if the deadline skipped any (incomplete), else 0.
+# Every step runs whatever failed before it, under a time limit of its own, and asserts its result.
+# Past its limit a step's processes get SIGABRT (PYTHONFAULTHANDLER=1: every thread's stack goes to
+# its log), then SIGKILL. A step starts only if the deadline leaves it the time its process starts
+# take (START_SECONDS each); the rest are listed as skipped, and the check is then incomplete (so is
+# a step that the deadline, not its own limit, cut short); a step this torch has nothing for is
+# listed as not applicable, which is no failure and leaves the check complete. Without a GPU and
+# without --rehearse it refuses at once.
+# A TERM or INT, also to its whole process group (timeout, ^C), ends the step in flight and removes
+# the work folder. Out ($OUT, else a new folder it names): gpu_check.log; summary.json, rewritten
+# after every step, each step's seconds beside its estimate; logs/NAME.log, written as each step
+# runs and packed into step_logs.tar.gz at the end (also on SIGTERM). Exit code: 1 if any step
+# failed or timed out, else 2 if the deadline skipped any (incomplete), else 0.
 #
 # What one GPU cannot show: NCCL between ranks. NCCL refuses two ranks on one GPU, so its multi-rank paths
 # (gather_utils' uneven all-gather, the header exchange between ranks, DDP's all-reduce, SyncBN over NCCL) run
@@ -34,16 +36,18 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 
-# The plan: each step and its estimated seconds on an H200 (none has run this yet; python, torch and
-# NCCL start in 10 to 15 s of each). Most valuable first, so that a deadline that comes early cuts
-# the least; --compile, last, costs the most for what it adds. With the probes before the first step
-# and the checks after each (one import of torch for each checkpoint they read), 319 s on the GPU
-# machine's torch 2.11, inside 420; the deadline leaves 221 s more for estimates that are low. torch
+# The plan, most valuable first, so that a deadline that comes early cuts the least; --compile,
+# last, costs the most for what it adds. For each step: the processes it starts that import torch
+# (python, torch, CUDA and NCCL take 10 to 15 s to start: START_SECONDS each), and its seconds of
+# work on an H200 (none has run this yet); its estimate is starts x START_SECONDS + work.
+# probes_and_checks counts the same way the probe before the first step and the checks after each
+# (torch imported by the probe and by the two checks that read a checkpoint). On the GPU machine's
+# torch 2.11: 18 starts, 392 s, 73% of the deadline, whose rest is for estimates that are low. torch
 # 2.15 made its `nccl` backend ProcessGroupNCCL2 and kept the old ProcessGroupNCCL behind
 # TORCH_DIST_USE_NCCL2=0: there from_torch_2_15 runs the timeout step again on the old one, where
-# the two differ, 30 s more (349 s; after it only --compile, the first that a deadline would cut).
-# The old one's gathers are the same code as gather_nccl's before 2.15. Before 2.15 the step is
-# listed as not applicable, and costs nothing.
+# the two differ, 49 s more (441 s, 82%; after it only --compile, the first that a deadline would
+# cut). The old one's gathers are the same code as gather_nccl's before 2.15. Before 2.15 the step
+# is listed as not applicable, and costs nothing.
 # Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from
 # --weights, the rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16
 # and channels-last at 64 px beside the headline's, and JPEG photographs (at a size that fits, their
@@ -54,24 +58,41 @@ cd "$(dirname "$0")"
 # gives train_ddp.py's own images/s, and DDP's all-reduce at world size 1 moves nothing between
 # GPUs); the gather tests over gloo with CUDA tensors on 2 ranks (the two-rank step sends CUDA
 # tensors over gloo: DDP's all-reduce, SyncBN's gathers; gather_utils' CUDA paths run over NCCL).
-plan=(gather_nccl 35 gather_mixed_group 20 headline 40 nccl_timeout 30 train_fp16_hook_fp16 24 resume 22
-      shared_device_sync_bn_and_replicas 25 sigterm 20 nccl_timeout_legacy 30 compile 90)
+START_SECONDS=12
+plan=(gather_nccl 1 15
+      gather_mixed_group 1 8
+      headline 1 22
+      nccl_timeout 2 25
+      train_fp16_hook_fp16 2 12
+      resume 2 12
+      shared_device_sync_bn_and_replicas 3 6
+      sigterm 1 6
+      nccl_timeout_legacy 2 25
+      compile 2 65)
 from_torch_2_15=(nccl_timeout_legacy)
-probes_and_checks=13
+probes_and_checks=(3 5)
 rehearse=0
 if [[ ${1:-} == --rehearse ]]; then rehearse=1; fi
-planned() {  # name: its estimated seconds, if the plan has that step
+planned() {  # name: the index of that step in the plan, if it has it
     local i
-    for ((i = 0; i < ${#plan[@]}; i += 2)); do
-        [[ ${plan[i]} == "$1" ]] && echo "${plan[i + 1]}" && return
+    for ((i = 0; i < ${#plan[@]}; i += 3)); do
+        [[ ${plan[i]} == "$1" ]] && echo "$i" && return
     done
     return 1
+}
+starts() {  # name: the processes that step starts that import torch
+    local i
+    i=$(planned "$1") && echo "${plan[i + 1]}"
+}
+estimate() {  # name: that step's estimated seconds on an H200
+    local i
+    i=$(planned "$1") && echo $((plan[i + 1] * START_SECONDS + plan[i + 2]))
 }
 read -ra only <<<"${ONLY:-}"  # the names, split on any blanks, never globbed
 for name in "${only[@]}"; do  # a misspelt name would leave nothing to run, and a check that passes
     if ! planned "$name" >/dev/null; then
         echo "gpu_check.sh: error: ONLY names no step '$name'; expected names from the plan:" \
-            "$(for ((i = 0; i < ${#plan[@]}; i += 2)); do printf '%s ' "${plan[i]}"; done)" >&2
+            "$(for ((i = 0; i < ${#plan[@]}; i += 3)); do printf '%s ' "${plan[i]}"; done)" >&2
         exit 2
     fi
 done
@@ -169,7 +190,7 @@ write_summary() {  # written whole, then renamed: a kill leaves the last complet
         printf '"complete": %s, "steps": [' "$complete"
         for i in "${!names[@]}"; do
             printf '%s\n {"step": "%s", "result": "%s", "seconds": %d, "estimated_seconds": %d, "note": "%s"}' \
-                "$sep" "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "$(planned "${names[$i]}")" "${notes[$i]}"
+                "$sep" "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "$(estimate "${names[$i]}")" "${notes[$i]}"
             sep=,
         done
         printf '\n]}\n'
@@ -193,10 +214,11 @@ passed() {  # name: whether that step is the last one recorded, and it passed
 # past LIMIT seconds or the deadline; print the log's tail if it fails.
 step() {
     local name=$1 limit=$2 began=$SECONDS status=pass left=$((deadline - SECONDS)) pid cut=false
+    local starting=$(($(starts "$1") * START_SECONDS))
     shift 2
     wanted "$name" || return 0
-    if ((left < 20)); then
-        echo "== $name: skipped, ${left} s left before the deadline"
+    if ((left < starting)); then
+        echo "== $name: skipped, ${left} s left before the deadline, ${starting} s to start its processes"
         record "$name" skipped 0 "deadline"
         return
     fi
@@ -286,10 +308,11 @@ finish() {
     finished=true
     write_summary
     echo
-    printf '| step | result | seconds | estimated on an H200 | note |\n|---|---|---|---|---|\n'
+    printf '| step | result | seconds | estimated on an H200 (process starts) | note |\n'
+    printf '|---|---|---|---|---|\n'
     for i in "${!names[@]}"; do
-        printf '| %s | %s | %s | %s | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" \
-            "$(planned "${names[$i]}")" "${notes[$i]}"
+        printf '| %s | %s | %s | %s (%s) | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" \
+            "$(estimate "${names[$i]}")" "$(starts "${names[$i]}")" "${notes[$i]}"
     done
     ((status == 0)) || failed=$((failed > 0 ? failed : 1))
     tar -czf "$out/step_logs.tar.gz" -C "$logs" . && rm -r "$logs"
@@ -347,14 +370,14 @@ if [[ $versions =~ $torch_version_re ]]; then
     torch_version=${BASH_REMATCH[1]}.${BASH_REMATCH[2]}
     ((BASH_REMATCH[1] * 100 + BASH_REMATCH[2] >= 215)) && two_nccls=1
 fi
-total=$probes_and_checks steps=0
-for ((i = 0; i < ${#plan[@]}; i += 2)); do
+started=${probes_and_checks[0]} total=$((probes_and_checks[0] * START_SECONDS + probes_and_checks[1])) steps=0
+for ((i = 0; i < ${#plan[@]}; i += 3)); do
     if ((two_nccls)) || [[ " ${from_torch_2_15[*]} " != *" ${plan[i]} "* ]]; then
-        total=$((total + plan[i + 1])) steps=$((steps + 1))
+        started=$((started + plan[i + 1])) total=$((total + $(estimate "${plan[i]}"))) steps=$((steps + 1))
     fi
 done
-echo "gpu_check.sh: $steps steps for torch ${torch_version:-?}, estimated $total s in all on an H200;" \
-    "deadline ${DEADLINE:-540} s"
+echo "gpu_check.sh: $steps steps for torch ${torch_version:-?}, estimated $total s in all on an H200" \
+    "($started process starts of $START_SECONDS s); deadline ${DEADLINE:-540} s"
 
 needs_gpu gather_nccl || step gather_nccl 150 "${one_rank[@]}" test_gather.py --backend nccl
 needs_gpu gather_mixed_group ||  # test_gather.py's MIXED_GROUP_CHECKS
