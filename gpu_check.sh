@@ -9,6 +9,12 @@
 # --channels-last; two ranks sharing the GPU over gloo (SyncBN statistics and DDP replicas against
 # one process); SIGTERM mid-epoch; on torch 2.15 or later, the collective past its timeout again
 # on the old ProcessGroupNCCL; --compile.
+# Which NCCL: torch before 2.15 has one, ProcessGroupNCCL, and every NCCL step runs on it. On torch
+# 2.15 or later `nccl` is ProcessGroupNCCL2, and every NCCL step runs on it but
+# nccl_timeout_legacy, which runs nccl_timeout's collective past its timeout on the old
+# ProcessGroupNCCL (TORCH_DIST_USE_NCCL2=0). Steps that run train_ddp.py's group on GPUs use gloo
+# for its CPU tensors beside NCCL; the two ranks sharing the GPU use gloo alone. summary.json and
+# the final table give each step's backend, and the timeout steps check the NCCL class they ran.
 #
 #   bash gpu_check.sh                 # on the GPU machine: DEADLINE seconds from its start (default 540)
 #   bash gpu_check.sh --rehearse      # without a GPU: the same steps and checks on the CPU at toy sizes (the
@@ -118,6 +124,7 @@ mkdir -p "$logs"
 exec > >(trap '' TERM INT; exec tee "$out/gpu_check.log") 2>&1
 deadline=${DEADLINE:-540}  # from the script's start, as SECONDS counts: the GPU probe and the set-up too
 export OMP_NUM_THREADS=4 PYTHONPATH=$PWD PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN
+unset TORCH_DIST_USE_NCCL2  # torch's own NCCL, as each step's backend says, unless the step sets it
 if ((rehearse)); then
     # What the GPU machine lacks is missing here too, so that a rehearsal fails where the one try would: a virtual
     # environment with this python's packages but pytest, scikit-learn and pynvml.
@@ -132,7 +139,7 @@ if ((rehearse)); then
     echo "$work/packages" >"$($py -c 'import site; print(site.getsitepackages()[0])')/gpu_machine.pth"
     versions=$(probe)
 fi
-names=() results=() seconds=() notes=()
+names=() results=() seconds=() notes=() backends=()
 running= current= current_began= finished=false failed=0 incomplete=0
 
 # The pid of the step in flight, and every process under it (torchrun starts its workers in sessions of their own).
@@ -189,17 +196,34 @@ write_summary() {  # written whole, then renamed: a kill leaves the last complet
             "${DEADLINE:-540}" "$( ((rehearse)) && echo true || echo false)" "$finished" "$failed" "$incomplete"
         printf '"complete": %s, "steps": [' "$complete"
         for i in "${!names[@]}"; do
-            printf '%s\n {"step": "%s", "result": "%s", "seconds": %d, "estimated_seconds": %d, "note": "%s"}' \
-                "$sep" "${names[$i]}" "${results[$i]}" "${seconds[$i]}" "$(estimate "${names[$i]}")" "${notes[$i]}"
+            printf '%s\n {"step": "%s", "backend": "%s", "result": "%s", "seconds": %d, ' \
+                "$sep" "${names[$i]}" "${backends[$i]}" "${results[$i]}" "${seconds[$i]}"
+            printf '"estimated_seconds": %d, "note": "%s"}' "$(estimate "${names[$i]}")" \
+                "${notes[$i]}"
             sep=,
         done
         printf '\n]}\n'
     } >"$out/summary.json.tmp" && mv "$out/summary.json.tmp" "$out/summary.json"
 }
 
-record() {  # name result seconds [note]
+record() {  # name result seconds [note [backend]]: by default the backend the step runs on here
     names+=("$1") results+=("$2") seconds+=("$3") notes+=("${4:-}")
+    backends+=("${5:-$(backend "$1")}")
     write_summary
+}
+
+backend() {  # name: the backends its collectives run on, as the probe found torch
+    if ((rehearse)); then
+        echo gloo
+        return
+    fi
+    case $1 in
+        gather_nccl) echo "$nccl" ;;
+        resume) echo "gloo, then gloo + $nccl" ;;  # the first epoch on the CPU
+        shared_device_sync_bn_and_replicas) echo gloo ;;
+        nccl_timeout_legacy) echo "gloo + ProcessGroupNCCL (TORCH_DIST_USE_NCCL2=0)" ;;
+        *) echo "gloo + $nccl" ;;  # train_ddp.py's group on GPUs: gloo for CPU tensors
+    esac
 }
 
 wanted() {  # name: whether ONLY, if it names any step, names this one
@@ -246,7 +270,7 @@ needs_gpu() {  # name: in a rehearsal, listed as skipped instead of run
     ((rehearse)) || return 1
     if wanted "$1"; then
         echo "== $1: skipped, needs a GPU"
-        record "$1" skipped 0 "needs a GPU"
+        record "$1" skipped 0 "needs a GPU" -
     fi
 }
 
@@ -254,7 +278,7 @@ one_nccl() {  # name: a step of from_torch_2_15, listed as not applicable instea
     ((two_nccls)) && return 1
     if wanted "$1"; then
         echo "== $1: not applicable, torch ${torch_version:-?} has one NCCL backend"
-        record "$1" "not applicable" 0 "torch ${torch_version:-?} has one NCCL backend"
+        record "$1" "not applicable" 0 "torch ${torch_version:-?} has one NCCL backend" -
     fi
 }
 
@@ -308,11 +332,12 @@ finish() {
     finished=true
     write_summary
     echo
-    printf '| step | result | seconds | estimated on an H200 (process starts) | note |\n'
-    printf '|---|---|---|---|---|\n'
+    printf '| step | backend | result | seconds | estimated on an H200 (process starts) | note |\n'
+    printf '|---|---|---|---|---|---|\n'
     for i in "${!names[@]}"; do
-        printf '| %s | %s | %s | %s (%s) | %s |\n' "${names[$i]}" "${results[$i]}" "${seconds[$i]}" \
-            "$(estimate "${names[$i]}")" "$(starts "${names[$i]}")" "${notes[$i]}"
+        printf '| %s | %s | %s | %s | %s (%s) | %s |\n' "${names[$i]}" "${backends[$i]}" \
+            "${results[$i]}" "${seconds[$i]}" "$(estimate "${names[$i]}")" \
+            "$(starts "${names[$i]}")" "${notes[$i]}"
     done
     ((status == 0)) || failed=$((failed > 0 ? failed : 1))
     tar -czf "$out/step_logs.tar.gz" -C "$logs" . && rm -r "$logs"
@@ -365,10 +390,10 @@ timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,
 echo "$versions"
 timeout 10 df -h /dev/shm
 torch_version_re='torch ([0-9]+)\.([0-9]+)'
-two_nccls=0 torch_version=
+two_nccls=0 torch_version= nccl=ProcessGroupNCCL
 if [[ $versions =~ $torch_version_re ]]; then
     torch_version=${BASH_REMATCH[1]}.${BASH_REMATCH[2]}
-    ((BASH_REMATCH[1] * 100 + BASH_REMATCH[2] >= 215)) && two_nccls=1
+    ((BASH_REMATCH[1] * 100 + BASH_REMATCH[2] >= 215)) && two_nccls=1 nccl=ProcessGroupNCCL2
 fi
 started=${probes_and_checks[0]} total=$((probes_and_checks[0] * START_SECONDS + probes_and_checks[1])) steps=0
 for ((i = 0; i < ${#plan[@]}; i += 3)); do
@@ -390,13 +415,27 @@ step headline 150 $py tools/check_syncs.py "${headline[@]}" --epochs 1 \
 verify headline "r, = m('headline.jsonl'); assert 'rank 0: 0 host waits between log lines' in log('headline')
 print('NOTE', f\"{r['images_per_sec']:.0f} img/s, waiting for data {r['data_wait']:.0%}, no host sync\")"
 
-# A collective past --collective-timeout on NCCL: what a user sees when a rank hangs. One GPU has no second rank to
-# hang, so the GPU itself is kept busy (torch.cuda._sleep, 20 s) past the timeout (5 s) before an all-reduce that
-# waits for it. Expected, with train_ddp.py's settings: torch's watchdog logs the timed-out all-reduce, its flight
-# recorder writes the rank's last collectives, it aborts NCCL (after 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 60 s by
-# default, 4 here), and the next collective raises: process_group() ends the run with its one line, naming the
-# recorder's file, and exit 1, soon after the sleep; destroy_process_group() does not hang. The file goes to the
-# folder the script is given, where the check looks for it.
+# A collective past --collective-timeout on NCCL: what a user sees when a rank hangs. One GPU has no
+# second rank to hang, so the GPU itself is kept busy (torch.cuda._sleep, 20 s) past the timeout
+# (5 s) before an all-reduce that waits for it. Expected, with train_ddp.py's settings
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING=2; the recorder's file in the folder the script is given, where
+# the check looks for it), as read in torch's sources, on each backend:
+# - ProcessGroupNCCL (before 2.15; 2.15 with TORCH_DIST_USE_NCCL2=0): its watchdog, every 100 ms,
+#   logs "Watchdog caught collective operation timeout: WorkNCCL(...)", writes a dump signal to the
+#   store (every rank's monitor dumps its recorder: this rank's last collectives), and aborts NCCL
+#   4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC later (60 s by default, 4 s here). Waiting on the
+#   timed-out work raises DistBackendError; the next collective after the abort, DistBackendError
+#   "NCCL communicator was aborted on rank 0".
+# - ProcessGroupNCCL2 (2.15's nccl): its watchdog, every second, logs "Operation timed out after N
+#   ms", dumps this rank's recorder at once (each rank dumps its own when its own watchdog fails;
+#   nothing goes through the store), then aborts NCCL: no wait. Waiting on the timed-out work raises
+#   DistBackendError; the next collective, RuntimeError "NCCL operation timed out".
+# A dump attempt waits up to TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC on both (1 s here; a second attempt
+# leaves out the stacks). In a hang the one line comes with the next collective after the abort:
+# about 60 s after the timeout on the old backend, a second or so (and the dump) on nccl2. Here the
+# host waits for the sleep first, so on both it comes soon after the sleep: process_group() ends the
+# run with its one line, naming the recorder's file, and exit 1; destroy_process_group() does not
+# hang. The script prints the NCCL class it ran on, which the check compares with the step's.
 cat >"$work/nccl_timeout.py" <<'EOF'
 import argparse, sys, time, torch, torch.distributed as dist, train_ddp
 def cycles_per_second():  # torch.cuda.clock_rate() needs pynvml, which torch does not install
@@ -408,6 +447,7 @@ args = argparse.Namespace(backend="nccl", init_timeout=60, collective_timeout=5,
 device = train_ddp.setup_device(args)
 began = time.monotonic()
 with train_ddp.process_group(args, device):
+    print("NCCL backend", type(dist.group.WORLD._get_backend(device)).__name__, flush=True)
     x = torch.ones(1, device=device)
     torch.cuda._sleep(int(20 * cycles_per_second()))  # about 20 s of the GPU's time
     dist.all_reduce(x)
@@ -424,8 +464,11 @@ no_frtrace=$(for dir in "${path_dirs[@]}"; do [[ -x $dir/torchfrtrace ]] || prin
 timed_out=(env PATH="${no_frtrace%:}" TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000 "$BASH" -c "$exits_1" _
            "$(timeout 60 $py -c 'import sys; print(sys.executable)')" -m torch.distributed.run --standalone
            --nproc-per-node 1 "$work/nccl_timeout.py")
-timed_out_verified() {  # name: the one line names the recorder's file, which is there, in the step's folder
-    verify "$1" "line = next(l for l in log('$1').splitlines() if 'error: rank 0: a collective' in l)
+# timed_out_verified NAME CLASS: the step ran on that NCCL class, and the one line names the
+# recorder's file, which is there, in the step's folder.
+timed_out_verified() {
+    verify "$1" "assert 'NCCL backend $2' in log('$1').splitlines(), 'not on $2'
+line = next(l for l in log('$1').splitlines() if 'error: rank 0: a collective' in l)
 trace = line.rpartition('; its last collectives: ')[2]
 assert trace != line and 'torchfrtrace' not in line, 'not one trace file named: ' + line
 assert os.path.realpath(os.path.dirname(trace)) == os.path.realpath(f'{work}/$1'), trace
@@ -433,7 +476,7 @@ assert os.path.basename(trace) == 'nccl_trace_rank_0' and os.path.getsize(trace)
 print('NOTE', f'trace of {os.path.getsize(trace)} bytes; ' + line[line.index('look for'):][:120])"
 }
 needs_gpu nccl_timeout || step nccl_timeout 90 "${timed_out[@]}" "$work/nccl_timeout"
-timed_out_verified nccl_timeout
+timed_out_verified nccl_timeout "$nccl"
 
 # train_ddp.py on NCCL, ResNet-18 at 64 px under check_syncs.py. First fp16, the seed's two speed tips together:
 # autocast with the GradScaler, and gradients compressed to fp16 by the hook. Its first steps may overflow or not, so
@@ -558,7 +601,7 @@ c = ck('sigterm/last.pt'); assert c['epoch'] == 0 and 20 <= c['step'] < 128, (c[
 # TORCH_DIST_USE_NCCL2=0 selects.
 one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
     step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
-timed_out_verified nccl_timeout_legacy
+timed_out_verified nccl_timeout_legacy ProcessGroupNCCL
 
 step compile 180 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}" --compile \
     --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"

@@ -737,6 +737,9 @@ def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     assert skips and all(int(left) < int(starting) == plan[name][0] * start_seconds
                          for name, left, starting in skips), skips
     assert results["gather_nccl"] == ("skipped", "needs a GPU")
+    # A rehearsal runs every step on gloo; a step that runs nothing here has no backend.
+    assert all(step["backend"] == ("-" if step["note"] == "needs a GPU" or step["result"] == "not applicable"
+                                   else "gloo") for step in summary["steps"]), summary
     # A step that the deadline cut short is incomplete too, not failed.
     assert results["headline"][0] == "pass" or results["headline"] == ("skipped", "deadline"), results
     # Once the deadline skips a step, it skips every one after it (but those a rehearsal skips for want of a GPU,
@@ -779,8 +782,8 @@ def test_gpu_check_lists_the_old_nccl_backends_step_as_not_applicable_before_tor
     wait_exit(job, 120)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert job.returncode == 0 and summary["complete"] and summary["failed"] == 0, stdout(job)[-3000:]
-    assert [(step["step"], step["result"], step["seconds"]) for step in summary["steps"]] == [
-        (name, "not applicable", 0) for name in from_torch_2_15], summary
+    assert [(step["step"], step["result"], step["seconds"], step["backend"]) for step in summary["steps"]] == [
+        (name, "not applicable", 0, "-") for name in from_torch_2_15], summary
     assert all(re.fullmatch(r"torch 2\.\d+ has one NCCL backend", step["note"]) for step in summary["steps"]), summary
 
 
