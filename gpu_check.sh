@@ -266,12 +266,21 @@ step() {
     fi
 }
 
+skip() {  # name note [backend]: listed as skipped, with that note, instead of run
+    if wanted "$1"; then
+        echo "== $1: skipped, $2"
+        record "$1" skipped 0 "$2" "${3:-}"
+    fi
+}
+
 needs_gpu() {  # name: in a rehearsal, listed as skipped instead of run
     ((rehearse)) || return 1
-    if wanted "$1"; then
-        echo "== $1: skipped, needs a GPU"
-        record "$1" skipped 0 "needs a GPU" -
-    fi
+    skip "$1" "needs a GPU" -
+}
+
+no_compiler() {  # name: listed as skipped, saying so, where --compile would find no compiler
+    [[ -n $compiler_missing ]] || return 1
+    skip "$1" "$compiler_missing"
 }
 
 one_nccl() {  # name: a step of from_torch_2_15, listed as not applicable instead of run where torch has one NCCL
@@ -403,6 +412,21 @@ for ((i = 0; i < ${#plan[@]}; i += 3)); do
 done
 echo "gpu_check.sh: $steps steps for torch ${torch_version:-?}, estimated $total s in all on an H200" \
     "($started process starts of $START_SECONDS s); deadline ${DEADLINE:-540} s"
+# --compile builds kernels with a compiler that it finds as torch does: on CUDA, Triton's launcher
+# takes $CC, else gcc, else clang (triton/runtime/build.py); on the CPU, Inductor takes $CXX, else
+# g++ (torch/_inductor/config.py, cpp.cxx). Without one, every rank would fail at its first step,
+# deep in Inductor's traceback, and the step would be spent on what the machine lacks.
+compiler_missing=
+if ((rehearse)); then
+    compiler=$(command -v -- "${CXX-g++}") ||
+        compiler_missing="no C++ compiler: Inductor takes CXX, else g++"
+elif [[ -v CC ]]; then
+    compiler=$(command -v -- "$CC") || compiler_missing="no C compiler: Triton takes CC, not found"
+else
+    compiler=$(command -v gcc || command -v clang) ||
+        compiler_missing="no C compiler: Triton takes CC, else gcc, else clang"
+fi
+echo "--compile's compiler: ${compiler:-none, $compiler_missing}"
 
 needs_gpu gather_nccl || step gather_nccl 150 "${one_rank[@]}" test_gather.py --backend nccl
 needs_gpu gather_mixed_group ||  # test_gather.py's MIXED_GROUP_CHECKS
@@ -603,8 +627,9 @@ one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
     step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
 timed_out_verified nccl_timeout_legacy ProcessGroupNCCL
 
-step compile 180 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}" --compile \
-    --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
+no_compiler compile ||
+    step compile 180 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}" --compile \
+        --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
 learned compile
 verify compile "assert 'compiled (the first step compiles' in log('compile')"
 exit 0  # finish(), the EXIT trap, reports and sets the exit code

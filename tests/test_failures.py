@@ -696,10 +696,11 @@ def test_nodes_resuming_from_different_checkpoints_all_stop(tmp_path):
 
 
 # ---------------------------------------------------------------- 9. gpu_check.sh, which has one try on a GPU machine
-def gpu_check(tmp_path, deadline, only=""):
-    """gpu_check.sh --rehearse (its steps on the CPU) under DEADLINE, its output in tmp_path/out; ONLY these steps."""
+def gpu_check(tmp_path, deadline, only="", **env):
+    """gpu_check.sh --rehearse (its steps on the CPU) under DEADLINE, its output in tmp_path/out; ONLY these steps;
+    env, more variables."""
     return start_logged(["bash", str(Path(TRAIN).parent / "gpu_check.sh"), "--rehearse"], tmp_path,
-                        env=clean_env(DEADLINE=deadline, OUT=tmp_path / "out", ONLY=only))
+                        env=clean_env(DEADLINE=deadline, OUT=tmp_path / "out", ONLY=only, **env))
 
 
 def gpu_check_plan():
@@ -785,6 +786,19 @@ def test_gpu_check_lists_the_old_nccl_backends_step_as_not_applicable_before_tor
     assert [(step["step"], step["result"], step["seconds"], step["backend"]) for step in summary["steps"]] == [
         (name, "not applicable", 0, "-") for name in from_torch_2_15], summary
     assert all(re.fullmatch(r"torch 2\.\d+ has one NCCL backend", step["note"]) for step in summary["steps"]), summary
+
+
+def test_gpu_check_skips_compile_in_one_line_without_a_compiler(tmp_path):
+    # Inductor on the CPU builds with $CXX, else g++ (on CUDA, Triton's launcher with $CC, else gcc, else clang):
+    # without one, every rank would fail at its first compiled step, deep in Inductor's traceback. The machine
+    # lacks it, not the code: the step is skipped, saying so, and the check is complete.
+    job = gpu_check(tmp_path, 300, only="compile", CXX=str(tmp_path / "no-such-compiler"))
+    wait_exit(job, 120)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert job.returncode == 0 and summary["complete"], stdout(job)[-3000:]
+    assert [(step["step"], step["result"], step["seconds"], step["note"]) for step in summary["steps"]] == [
+        ("compile", "skipped", 0, "no C++ compiler: Inductor takes CXX, else g++")], summary
+    assert "== compile: skipped, no C++ compiler: Inductor takes CXX, else g++\n" in stdout(job), stdout(job)
 
 
 def test_gpu_check_refuses_an_only_that_names_no_step(tmp_path):
