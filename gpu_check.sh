@@ -576,11 +576,12 @@ assert len(buffers) == len(group['params']) and all(b.isfinite().all() for b in 
 assert all(b.is_contiguous(memory_format=torch.channels_last) for b in buffers if b.dim() == 4), 'not channels-last'
 print('NOTE', f\"a CPU checkpoint resumed on $on, channels-last: epoch 2 train_loss {records[-1]['train_loss']:.3f}\")"
 
-# Two ranks on the one device over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of 8 images
-# each must give the weights and batch-norm statistics of one process stepping on all 16 with plain batch norm,
-# and replicas that agree (replica_checksums stops if not). Unsynchronized statistics would differ. The process
-# group ends as train_ddp.py's does, the model freed first (a model alive at destroy_process_group() was the recipe
-# of the exit hang of torch < 2.14).
+# Two ranks on the one GPU over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of
+# 8 images each must give the weights and batch-norm statistics of one process stepping on all 16
+# with plain batch norm, and replicas that agree (replica_checksums stops if not). Unsynchronized
+# statistics would differ. The process group ends as train_ddp.py's does, the model freed first (a
+# model alive at destroy_process_group() was the recipe of the exit hang of torch < 2.14).
+# nn.SyncBatchNorm runs on GPUs only, and train_ddp.py's --sync-bn with it: a rehearsal skips this.
 cat >"$work/shared_device.py" <<'EOF'
 import argparse, os, torch, torch.nn.functional as F, torchvision, guard, train_ddp
 args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none", compile=False, backend="gloo",
@@ -593,7 +594,7 @@ def trained(model, x, y, device):
         optimizer.step()
     return model
 def main():
-    rank, device = train_ddp.dist.get_rank(), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, device = train_ddp.dist.get_rank(), torch.device("cuda")
     torch.backends.cudnn.allow_tf32 = False  # batches of 8 and of 16 may take kernels that round TF32 differently
     generator = torch.Generator().manual_seed(1)
     images, labels = torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator)
@@ -610,7 +611,8 @@ def main():
 with train_ddp.process_group(args, torch.device("cpu")):  # gloo, whatever the tensors' device
     main()
 EOF
-step shared_device_sync_bn_and_replicas 90 "${torchrun[@]}" --nproc-per-node 2 "$work/shared_device.py"
+needs_gpu shared_device_sync_bn_and_replicas ||
+    step shared_device_sync_bn_and_replicas 90 "${torchrun[@]}" --nproc-per-node 2 "$work/shared_device.py"
 
 # SIGTERM mid-epoch to a one-process run that also saves every 10 steps (the copy from the GPU, the writer thread):
 # it saves last.pt at the step it reached and exits 0. ($0 of the inline script is the step's log.)

@@ -751,7 +751,8 @@ def test_gpu_check_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     assert not [name for name, (result, _) in results.items()
                 if result not in ("pass", "skipped", "not applicable")], results
     assert job.returncode == 2, stdout(job)[-3000:]
-    assert summary["finished"] and not summary["complete"] and summary["skipped_by_deadline"] >= 5, summary
+    # The rehearsal runs 5 steps: at least all after the headline are left no time.
+    assert summary["finished"] and not summary["complete"] and summary["skipped_by_deadline"] >= 4, summary
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log", "step_logs.tar.gz",
                                                                       "summary.json"]
     assert not left_by(tmp_path)
