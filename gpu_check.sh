@@ -122,7 +122,7 @@ mkdir -p "$logs"
 # tee ignores TERM and INT: a signal to the whole process group (timeout, ^C) must leave it to write the
 # trap's lines, or the trap's first write would kill the shell before it ends the step in flight.
 exec > >(trap '' TERM INT; exec tee "$out/gpu_check.log") 2>&1
-deadline=${DEADLINE:-540}  # from the script's start, as SECONDS counts: the GPU probe and the set-up too
+deadline=${DEADLINE:-540}  # from the script's start, as SECONDS counts: the probe and the set-up too
 export OMP_NUM_THREADS=4 PYTHONPATH=$PWD PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN
 unset TORCH_DIST_USE_NCCL2  # torch's own NCCL, as each step's backend says, unless the step sets it
 if ((rehearse)); then
@@ -502,11 +502,12 @@ print('NOTE', f'trace of {os.path.getsize(trace)} bytes; ' + line[line.index('lo
 needs_gpu nccl_timeout || step nccl_timeout 90 "${timed_out[@]}" "$work/nccl_timeout"
 timed_out_verified nccl_timeout "$nccl"
 
-# train_ddp.py on NCCL, ResNet-18 at 64 px under check_syncs.py. First fp16, the seed's two speed tips together:
-# autocast with the GradScaler, and gradients compressed to fp16 by the hook. Its first steps may overflow or not, so
-# a few steps of train_ddp.py's own model, optimizer (fused SGD on CUDA) and GradScaler come first, the first one's
-# loss made inf: the GradScaler skips it, the momentum stays zero (fused SGD would leave garbage without
-# build_optimizer's zeros), and the first step taken gives the momentum and weights of plain SGD.
+# train_ddp.py on NCCL in fp16, ResNet-18 at 64 px under check_syncs.py: the seed's two speed tips
+# together, autocast with the GradScaler, and gradients compressed to fp16 by the hook. Its first
+# steps may overflow or not, so a few steps of train_ddp.py's own model, optimizer (fused SGD on
+# CUDA) and GradScaler come first, the first one's loss made inf: the GradScaler skips it, the
+# momentum stays zero (fused SGD would leave garbage without build_optimizer's zeros), and the first
+# step taken gives the momentum and weights of plain SGD.
 cat >"$work/fp16_first_step.py" <<'EOF'
 import sys, torch, torch.nn.functional as F, train_ddp
 args = train_ddp.parse_args(["--arch", "resnet18", "--image-size", "32", "--amp", "fp16", "--channels-last",
@@ -629,6 +630,8 @@ one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
     step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
 timed_out_verified nccl_timeout_legacy ProcessGroupNCCL
 
+# --compile, last: the costliest for what it adds; under torchrun, its first step compiles under
+# --collective-timeout.
 no_compiler compile ||
     step compile 180 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}" --compile \
         --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
