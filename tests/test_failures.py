@@ -825,15 +825,15 @@ def test_gpu_check_notes_the_headlines_images_per_second(tmp_path):
 
 
 def test_gpu_check_on_sigterm_kills_its_step_and_packs_what_it_has(tmp_path):
-    job = gpu_check(tmp_path, 480, only="train_fp16_hook_fp16 resume")
-    wait_for(lambda: "== resume" in stdout(job), job, "the resume step", interval=0.1)
+    job = gpu_check(tmp_path, 480, only="headline resume")
+    wait_for(lambda: "== resume" in stdout(job), job, "the resume step", timeout=240, interval=0.1)  # after headline
     time.sleep(3)  # the step's processes are up
     os.kill(job.pid, signal.SIGTERM)
     wait_exit(job, 30)
     assert job.returncode == 1 and "gpu_check.sh: stopped by a signal" in stdout(job), stdout(job)[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [(step["step"], step["result"]) for step in summary["steps"]] == [
-        ("train_fp16_hook_fp16", "pass"), ("resume", "stopped")], summary
+        ("headline", "pass"), ("resume", "stopped")], summary
     assert (tmp_path / "out" / "step_logs.tar.gz").exists() and not (tmp_path / "out" / "logs").exists()
     time.sleep(1)
     left = left_by(tmp_path)
@@ -853,10 +853,10 @@ def test_gpu_check_refuses_at_once_without_a_gpu(tmp_path):
 def test_gpu_check_stopped_under_timeout_leaves_no_process_and_no_work_folder(tmp_path):
     # timeout signals gpu_check.sh's whole process group (tee too): the step in flight is ended, whatever runs
     # under it, and the work folder removed. (Its steps run in sessions of their own, out of the group's reach.)
-    env = clean_env(TMPDIR=tmp_path, OUT=tmp_path / "out", ONLY="train_fp16_hook_fp16 resume")
+    env = clean_env(TMPDIR=tmp_path, OUT=tmp_path / "out", ONLY="headline resume")
     job = start_logged(["timeout", "-s", "TERM", "600", "bash", str(Path(TRAIN).parent / "gpu_check.sh"),
                         "--rehearse"], subdir(tmp_path / "log"), env=env)
-    wait_for(lambda: "== train_fp16_hook_fp16" in stdout(job), job, "the training step", interval=0.1)
+    wait_for(lambda: "== headline" in stdout(job), job, "the training step", interval=0.1)
     time.sleep(3)  # the step's processes are up
     os.killpg(job.pid, signal.SIGTERM)
     wait_exit(job, 60)
