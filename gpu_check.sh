@@ -138,6 +138,9 @@ if ((rehearse)); then
     py=$work/venv/bin/python
     echo "$work/packages" >"$($py -c 'import site; print(site.getsitepackages()[0])')/gpu_machine.pth"
     versions=$(probe)
+    # One thread a process: on a CPU that others share, threads that wait for each other spin (a
+    # ResNet-18 step at 32 px on 2 busy cores: 4 to 7 img/s with 2 threads, 37 to 68 with 1).
+    export OMP_NUM_THREADS=1
 fi
 names=() results=() seconds=() notes=() backends=()
 running= current= current_began= finished=false failed=0 incomplete=0
