@@ -138,8 +138,8 @@ if ((rehearse)); then
     py=$work/venv/bin/python
     echo "$work/packages" >"$($py -c 'import site; print(site.getsitepackages()[0])')/gpu_machine.pth"
     versions=$(probe)
-    # One thread a process: on a CPU that others share, threads that wait for each other spin (a
-    # ResNet-18 step at 32 px on 2 busy cores: 4 to 7 img/s with 2 threads, 37 to 68 with 1).
+    # One thread a process: on a CPU that others share, threads that wait for each other spin, and
+    # with 4 the steps ran into their own limits.
     export OMP_NUM_THREADS=1
 fi
 names=() results=() seconds=() notes=() backends=()
