@@ -622,7 +622,8 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
     # Stripes of four directions and widths; a model trained on them, then fine-tuned from its last.pt on two of
     # those classes (a new classifier) against the same run from scratch: after one short epoch (2 steps), the one
     # that already knows the stripes is far ahead. Horizontal against vertical is easy enough that scratch may reach
-    # 90% too, so the margin is in the validation loss (measured: 0.018 against 0.29).
+    # 90% too, so the margin is in the validation loss: measured 0.018 against 0.29, and on another CPU, whose
+    # kernels round differently, 0.079 against 0.34.
     def stripes(label, i):
         wave = (torch.arange(32) // (2 + label // 2 * 2) % 2 * 160).to(torch.uint8)
         pattern = (wave[:, None] if label % 2 else wave[None, :]).expand(32, 32)
@@ -643,7 +644,7 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
         results[begin] = metrics(tmp_path / f"{begin}.jsonl")[0]
     assert f"resnet18 from {tmp_path / 'pre' / 'last.pt'} (new fc) on 2 x cpu" in logs["weights"], logs["weights"]
     assert results["weights"]["val_acc1"] >= max(90, results["scratch"]["val_acc1"]), results
-    assert results["weights"]["val_loss"] < results["scratch"]["val_loss"] / 5, results
+    assert results["weights"]["val_loss"] < results["scratch"]["val_loss"] / 2, results
 
 
 # inductor on the CPU (the machine's gcc), 2 ranks, with SyncBN, accumulation, bf16 autocast and PowerSGD all on
