@@ -1,6 +1,6 @@
 """The checks and safety nets of train_ddp.py, which a reader of its story can skip: argument and
-file checks, one-line failures, the ranks' agreement to stop, NCCL's settings, the atomic checkpoint
-writer, and batch norm synced over CPUs. What gathers or reduces says so: every rank must call it.
+file checks, one-line failures, the ranks' agreement to stop, NCCL's settings, and the atomic
+checkpoint writer. What gathers or reduces says so: every rank must call it.
 """
 import datetime
 import hashlib
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.torch_version import TorchVersion
@@ -163,6 +162,9 @@ def check_args(args):
             fail(f"{flag} must be a positive number of seconds, got {seconds}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
+    if args.sync_bn and not torch.cuda.is_available():
+        fail("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm runs on GPUs only; drop --sync-bn "
+             "on CPUs")
     # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
     gpus, processes = torch.cuda.device_count(), local_world_size()
     if gpus and "LOCAL_WORLD_SIZE" in os.environ and processes > gpus:
@@ -641,7 +643,7 @@ def settle_momentum_buffers(optimizer):
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
-# ----------------------------------------------------------------------- hooks and batch norm
+# ------------------------------------------------------------------------------------ hooks
 def powersgd_hook_for_gloo_too(state, bucket):
     """torch's PowerSGD hook, which chains two all-reduces per bucket through callbacks. Gloo
     matches collectives by issue order, which concurrent buckets' callbacks make differ between
@@ -650,55 +652,3 @@ def powersgd_hook_for_gloo_too(state, bucket):
     if dist.get_backend() == "gloo":  # not "cpu:gloo,cuda:nccl", whose gradients go over NCCL
         future.wait()
     return future
-
-
-class SumOverRanks(torch.autograd.Function):
-    """A differentiable all-reduce: every rank's output feeds its own loss, so each input's
-    gradient is the sum of the outputs' gradients, an all-reduce again. One collective per call,
-    where gather_utils' differentiable gathers take two and world-size times the bytes; and
-    torch.distributed.nn's all_reduce is deprecated, and breaks torch.compile's graph."""
-
-    @staticmethod
-    def forward(ctx, tensor):
-        total = tensor.clone()
-        dist.all_reduce(total)
-        return total
-
-    backward = forward
-
-
-class CPUSyncBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over all ranks on CPUs (gloo), where nn.SyncBatchNorm does not
-    run, for torchvision's affine BatchNorm2d layers; the backward is synchronized too."""
-
-    def forward(self, x):
-        if not self.training:
-            return super().forward(x)
-        c, xf = x.shape[1], x.float()
-        count = xf.new_full((1,), x.numel() / c)
-        totals = SumOverRanks.apply(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
-        n = totals[-1]
-        mean = totals[:c] / n
-        var = (totals[c:2 * c] / n - mean * mean).clamp_min(0)  # E[x²] - mean² can round below 0
-        with torch.no_grad():
-            self.num_batches_tracked += 1
-            weight = self.momentum
-            if weight is None:  # a plain average
-                weight = 1 / self.num_batches_tracked.item()
-            self.running_mean.lerp_(mean, weight)
-            self.running_var.lerp_(var * n / (n - 1), weight)
-        scale = self.weight * torch.rsqrt(var + self.eps)
-        shift = self.bias - mean * scale
-        return (xf * scale.view(1, c, 1, 1) + shift.view(1, c, 1, 1)).to(x.dtype)
-
-
-def convert_to_cpu_sync_bn(module):
-    """Swap every BatchNorm2d for a CPUSyncBatchNorm with the same state (and state_dict keys)."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.BatchNorm2d):
-            sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum)
-            sync.load_state_dict(child.state_dict())
-            setattr(module, name, sync)
-        else:
-            convert_to_cpu_sync_bn(child)
-    return module

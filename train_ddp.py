@@ -282,10 +282,8 @@ def build_model(args, checkpoint):
 
 
 def wrap_ddp(model, args, device, warmup_steps):
-    if args.sync_bn and device.type == "cuda":
+    if args.sync_bn:  # on GPUs only: check_args refuses it without CUDA
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif args.sync_bn:  # nn.SyncBatchNorm runs on GPUs only
-        model = guard.convert_to_cpu_sync_bn(model)
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     register_comm_hook(ddp, args.comm_hook, warmup_steps)

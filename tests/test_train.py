@@ -192,8 +192,8 @@ CHECK_SYNCS = ["--arch", "resnet18", "--train-samples", "192", "--val-samples", 
                "--log-every", "4", "--workers", "1"]
 
 
-EVERYTHING = ["--accum-steps", "2", "--amp", "bf16", "--channels-last", "--sync-bn", "--comm-hook", "powersgd",
-              "--warmup-epochs", "0"]
+EVERYTHING = ["--accum-steps", "2", "--amp", "bf16", "--channels-last", "--comm-hook", "powersgd", "--warmup-epochs",
+              "0"]
 
 
 @pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.quick), EVERYTHING], ids=["plain", "everything"])
@@ -337,37 +337,6 @@ def test_distributed_validation_equals_single_process(tmp_path):
     assert distributed["val_acc1"] == single["val_acc1"] and distributed["val_acc5"] == single["val_acc5"]
     assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
     assert single["epoch"] == 1
-
-
-@pytest.mark.parametrize("ddp_args, single_args", [
-    (["--batch-size", "8"], ["--batch-size", "16"]),
-    # Two micro-batches per step, each the same 8 images in both runs: DDP all-reduces only the
-    # second one's backward, and the accumulated gradients must still match one process's.
-    (["--batch-size", "4", "--accum-steps", "2"], ["--batch-size", "8", "--accum-steps", "2"]),
-    # The all-reduces of the statistics and of their gradients traced by torch.compile, not run beside it.
-    (["--batch-size", "8", "--compile"], ["--batch-size", "16"]),
-], ids=["one-batch", "accum-steps", "compiled"])
-def test_sync_bn_two_ranks_match_one_process_with_double_batch(tmp_path, ddp_args, single_args):
-    # One optimizer step: 2 ranks with synchronized batch norm against 1 process with twice the batch.
-    one_step = ["--arch", "resnet18", "--train-samples", "16", "--val-samples", "4", "--epochs", "1",
-                "--sync-bn", "--lr", "0.5"]
-    distributed = ok(run(torchrun(2, *one_step, *ddp_args, "--checkpoint-dir", tmp_path / "ddp")))
-    assert "torch.distributed.nn" not in distributed.stderr  # its all_reduce is deprecated (torch 2.14)
-    ok(run([sys.executable, TRAIN, *one_step, *single_args, "--checkpoint-dir", str(tmp_path / "single")]))
-    ddp, single = load(tmp_path / "ddp" / "last.pt")["model"], load(tmp_path / "single" / "last.pt")["model"]
-    torch.manual_seed(0)  # what train_ddp.py starts from
-    initial = torchvision.models.resnet18(num_classes=10).state_dict()
-    # Each update, and each batch-norm statistic (recomputed from the stepped weights), within 1% of one process's.
-    # Their gradients are sums of thousands of terms that nearly cancel on noisy images, summed in another order
-    # here: 0.12% apart at most, measured. An update that missed another rank's share would be far off.
-    for key, want in single.items():
-        if key.endswith("num_batches_tracked"):
-            assert ddp[key] == want, key
-        elif "running_" in key:
-            assert (ddp[key] - want).norm() <= 1e-2 * want.norm(), key
-        else:
-            update, want_update = ddp[key] - initial[key], want - initial[key]
-            assert (update - want_update).norm() <= 1e-2 * want_update.norm() and want_update.norm() > 0, key
 
 
 @pytest.mark.quick
@@ -647,16 +616,16 @@ def test_fine_tuning_from_weights_that_know_the_data_beats_training_from_scratch
     assert results["weights"]["val_loss"] < results["scratch"]["val_loss"] / 2, results
 
 
-# inductor on the CPU (the machine's gcc), 2 ranks, with SyncBN, accumulation, bf16 autocast and PowerSGD all on
+# inductor on the CPU (the machine's gcc), 2 ranks, with accumulation, bf16 autocast and PowerSGD all on
 COMPILED = ["--arch", "resnet18", "--train-samples", "128", "--val-samples", "16", "--batch-size", "8", "--lr", "0.002",
-            "--log-every", "1", "--sync-bn", "--accum-steps", "2", "--amp", "bf16", "--comm-hook", "powersgd",
-            "--warmup-epochs", "0"]
+            "--log-every", "1", "--accum-steps", "2", "--amp", "bf16", "--comm-hook", "powersgd", "--warmup-epochs",
+            "0"]
 
 
 def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
-    # Each step's loss within 2% of the eager run's: inductor's fused bf16 kernels round otherwise (0.5% apart
-    # before the first update, measured), and each update carries that on: 1.0% apart at most over the 4 steps at
-    # this learning rate, 1.9% at 0.02. And each run's checkpoint resumes in the other mode.
+    # Each step's loss within 3% of the eager run's: inductor's fused bf16 kernels round otherwise (0.02% apart
+    # before the first update, measured), and each update carries that on: 1.9% apart at most over the 4 steps at
+    # this learning rate, 4.5% at 0.02. And each run's checkpoint resumes in the other mode.
     losses = {}
     for mode in ["eager", "compiled"]:
         flags = ["--compile"] if mode == "compiled" else []
@@ -666,7 +635,7 @@ def test_compile_trains_as_eager_and_checkpoints_go_both_ways(tmp_path):
     assert "compiled (the first step compiles" in result.stdout
     assert len(losses["eager"]) == len(losses["compiled"]) == 4, losses
     for eager, compiled in zip(losses["eager"], losses["compiled"]):
-        assert abs(compiled - eager) <= 0.02 * eager, losses
+        assert abs(compiled - eager) <= 0.03 * eager, losses
     keys = {mode: load(tmp_path / mode / "last.pt")["model"].keys() for mode in ["compiled", "eager"]}
     assert keys["compiled"] == keys["eager"]
     for mode, other in [("eager", "compiled"), ("compiled", "eager")]:  # each resumes the other's last.pt
@@ -682,10 +651,10 @@ def test_a_compiled_run_waits_for_every_compile_and_frees_its_group_before_pytho
     # #722): the group's timeout at each optimizer step shows the first two waiting COMPILE_TIMEOUT for the slowest,
     # and --collective-timeout from the third on. (On this VM two ranks compiling side by side finished within 2 s
     # of each other: the skew itself is not reproduced here.)
-    # After a compiled run, reference cycles held the group past destroy_process_group (and, before SyncBN had its
-    # own all-reduce, the DDP model too). Python's exit freed them: a gloo work thread, releasing a tensor, then
-    # waited for the GIL of an interpreter that was finalizing, and aborted the process ("terminate called without
-    # an active exception", 2 runs of 31). Once main() returns, neither may be left.
+    # A compiled model can leave reference cycles that hold the DDP model and the group past destroy_process_group.
+    # Freed at Python's exit, a gloo work thread, releasing a tensor, waits for the GIL of an interpreter that is
+    # finalizing, and aborts the process ("terminate called without an active exception"). Once main() returns,
+    # neither may be left.
     import train_ddp
 
     script = tmp_path / "after_main.py"

@@ -12,8 +12,7 @@ nothing synchronizes, so this stands in:
 - the Tensor methods that copy to the host without an operator on a CPU tensor (.tolist(), .cpu(), .numpy()) are
   wrapped while it watches.
 The DataLoader's own work is left to its workers (use --workers 1 or more). Neither device's mode sees what waits
-on a CUDA event (DDP's timer does at some iterations), nor, on the CPU, SyncBatchNorm's masked indexing at world
-size 2 or more (nn.SyncBatchNorm runs on GPUs only; the CPU's stand-in in guard.py has none).
+on a CUDA event (DDP's timer does at some iterations).
 
 Watched: train_one_epoch from each epoch's first log line on (the steps before warm up: cuDNN's autotuning, DDP's
 bucket rebuild) to its last step. Allowed there: what a log line itself reads (log_step), and
