@@ -500,22 +500,6 @@ def check_finite_loss(loss, run, args):
              "unchanged", code=1)
 
 
-def replica_checksums(run, args):
-    """Each rank's parameter checksum, which DDP keeps equal: a difference (a broken sync), or nan,
-    stops every rank. Gathers."""
-    checksum = sum(p.detach().double().sum() * (i + 1)
-                   for i, p in enumerate(run.model.parameters())).item()
-    checksums = gather_utils.all_gather_object(checksum)
-    if not all(map(math.isfinite, checksums)):
-        fail(f"the model's weights are not finite at epoch {run.epoch + 1} step {run.step} "
-             f"(checksums per rank: {checksums}): training diverged; lower --lr or check the "
-             f"data; {last_checkpoint(args)} is unchanged", 1)
-    if len(set(checksums)) != 1:
-        fail(f"the model replicas diverged (parameter checksums per rank: {checksums}); "
-             "expected equal ones", 1)
-    return checksums
-
-
 # ------------------------------------------------------------------------- stopping together
 class StopAgreement:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before

@@ -353,9 +353,9 @@ def fit(run, train_set, val_set, args, to_input, stop):
         run.epoch, run.samples, run.step = epoch + 1, 0, 0
         recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
         # Saved before validating: a SIGTERM or a kill during validation loses no training.
-        checksums = save_checkpoint(run, args)
+        save_checkpoint(run, args)
         metrics = validate(run.model.module, val_set, args, to_input)
-        record = {"epoch": epoch + 1, **train_stats, **metrics, "replica_checksums": checksums,
+        record = {"epoch": epoch + 1, **train_stats, **metrics,
                   "epoch_seconds": time.perf_counter() - epoch_start}
         append_metrics(args, record)
         log(f"epoch {epoch + 1}/{args.epochs} train_loss {record['train_loss']:.4f} "
@@ -633,8 +633,7 @@ def append_metrics(args, record):
 # ----------------------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
     """Rank 0 hands the training state, with each rank's random streams, to its writer thread,
-    which writes last.pt while training goes on. Returns the replicas' checksums."""
-    checksums = guard.replica_checksums(run, args)
+    which writes last.pt while training goes on."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
     if dist.get_rank() == 0:
@@ -643,7 +642,6 @@ def save_checkpoint(run, args):
                  "step": run.step, "world_size": dist.get_world_size(), "args": vars(args),
                  "rng": rng, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
         run.writer.write(state, guard.last_checkpoint(args))
-    return checksums
 
 
 def load_checkpoint(args):

@@ -5,9 +5,9 @@
 
 One process, a process group of one (as train_ddp.py without a launcher), ResNet-50 (10 classes: its weights and SGD
 momentum make a checkpoint of about 190 MB), train_ddp.py's own model, DDP wrapper, optimizer and Training, a last.pt
-in a temporary directory, and one synthetic batch made once. train_ddp.save_checkpoint gathers the replica checksums
-and the RNG states, copies the state to host memory, and hands it to a writer thread (torch.save, fsync, rename);
-a save first waits for the write before it. The step pays the copy and the gathers; the write overlaps the steps after.
+in a temporary directory, and one synthetic batch made once. train_ddp.save_checkpoint gathers the RNG states,
+copies the state to host memory, and hands it to a writer thread (torch.save, fsync, rename);
+a save first waits for the write before it. The step pays the copy and the gather; the write overlaps the steps after.
 
 Each round runs a window of --every (K) steps of each variant in turn, so that drift in machine speed (other work on
 the same cores) hits all alike: no save; a save every step (async, as train_ddp.py); a save at the first step of the
@@ -15,7 +15,7 @@ window (--save-every K); a save every step that then waits for its write (synchr
 waiting for the write it started (timed), which in a run the next save would wait for. The table shows the median
 over all steps of their own times, and the median over rounds of each window's mean step time (the cost spread over
 K steps), each against no save; below it, the median time of the save_checkpoint call (with the writer idle: the
-copy and gathers) and of write_atomically alone, on the main thread with nothing else running.
+copy and gather) and of write_atomically alone, on the main thread with nothing else running.
 """
 import argparse
 import os
@@ -134,7 +134,7 @@ def main():
         rounds = ", ".join(f"{1000 * seconds:.0f}" for seconds in windows[variant])
         print(f"| {variant.replace('K', str(args.every))} | {1000 * step:.1f} | {step / base_step:.2f} | "
               f"{1000 * window:.1f} ({rounds}) | {window / base_window:.2f} |")
-    print(f"\nsave_checkpoint call, writer idle (state_dict, gathers, copy to host): median {1000 * call:.1f} ms")
+    print(f"\nsave_checkpoint call, writer idle (state_dict, gather, copy to host): median {1000 * call:.1f} ms")
     print(f"write_atomically alone (torch.save, flush, fsync, rename of {size / 1e6:.0f} MB): median "
           f"{1000 * write:.1f} ms")
 
