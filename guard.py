@@ -77,14 +77,6 @@ def env_local_rank():
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
 
-def local_world_size():
-    """The processes on this machine: torchrun's count, else most srun tasks on a node, else 1."""
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    tasks = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(",")
-    return max(int(count.split("(")[0]) for count in tasks)
-
-
 def world_from_env():
     """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID),
     else one process."""
@@ -166,8 +158,8 @@ def check_args(args):
         fail("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm runs on GPUs only; drop --sync-bn "
              "on CPUs")
     # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
-    gpus, processes = torch.cuda.device_count(), local_world_size()
-    if gpus and "LOCAL_WORLD_SIZE" in os.environ and processes > gpus:
+    gpus, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if gpus and processes > gpus:
         fail(f"{processes} processes on this machine but only {gpus} GPUs are visible; start at "
              "most one process per GPU")
     if args.evaluate and not (args.resume or args.weights):
@@ -196,7 +188,6 @@ def check_args(args):
         if Path(args.metrics_file).is_dir():
             fail(f"--metrics-file {args.metrics_file}: a directory; expected a file to append to")
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
-    check_shared_memory(args)
 
 
 def meta_model(args):
@@ -235,23 +226,6 @@ def check_writable(directory, flag):
     existing = next(d for d in [directory, *directory.parents] if d.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         fail(f"{flag}: cannot write under {existing}; expected a writable directory")
-
-
-def check_shared_memory(args):
-    """Workers hand batches over in /dev/shm: running out (a container's 64 MB) kills them."""
-    if args.workers == 0 or not os.path.isdir("/dev/shm"):
-        return
-    shm = os.statvfs("/dev/shm")
-    free_mb = shm.f_bavail * shm.f_frsize / 2**20
-    batch_mb = args.batch_size * 3 * args.image_size**2 / 2**20  # uint8 images
-    # Each worker prefetches 2 batches (DataLoader's default); the process holds a step's batches.
-    batches = 2 * args.workers + args.accum_steps
-    need_mb = local_world_size() * batches * batch_mb
-    if need_mb > free_mb:
-        fail(f"--workers {args.workers}: {local_world_size()} process(es) x {batches} batches of "
-             f"{batch_mb:.0f} MB need {need_mb:.0f} MB of /dev/shm, which has {free_mb:.0f} MB "
-             "free; expected fewer --workers, a smaller --batch-size, or a larger /dev/shm "
-             "(docker run --shm-size=8g)")
 
 
 def check_image_folder(root):

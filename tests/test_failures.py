@@ -415,8 +415,6 @@ BAD_INPUTS = {
     "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
     "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     "save every 0": (["2", "--save-every", "0"], "--save-every must be a positive number of optimizer steps, got 0"),
-    "workers beyond /dev/shm": (["2", "--workers", "64", "--batch-size", "8192", "--image-size", "224"],
-                                "--workers 64: 2 process(es) x 129 batches of 1176 MB need 303408 MB of /dev/shm"),
     "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],
                                     "--checkpoint-dir: cannot write under {root}/a_file; "
                                     "expected a writable directory"),
@@ -656,6 +654,19 @@ def test_a_model_gone_nan_stops_every_rank_with_one_line(tmp_path):
     assert len(ours) == 1 and re.search(r"error: the loss is (nan|inf) at epoch 2 step \d+: training diverged", ours[0])
     assert ours[0].endswith(f"{tmp_path / 'last.pt'} is unchanged"), ours
     assert (tmp_path / "last.pt").read_bytes() == before
+
+
+def test_workers_out_of_shared_memory_fail_naming_it(tmp_path):
+    # Workers hand their batches over in /dev/shm; here a tmpfs of 1 MB, in a mount namespace of the run's own (root),
+    # against batches of 4.8 MB. torch's DataLoader says what ran out, as troubleshooting.md shows.
+    shm = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"', "sh"]
+    result = run([*shm, "bash", LAUNCH, "2", "--arch", "resnet18", "--image-size", "224", "--batch-size", "32",
+                  "--workers", "1", "--train-samples", "128", "--val-samples", "16", "--epochs", "1",
+                  "--checkpoint-dir", str(tmp_path)], timeout=90)
+    assert result.returncode != 0 and result.seconds < 60, result.stderr[-3000:]
+    assert re.search(r"RuntimeError: unable to allocate shared memory\(shm\) for file </torch_\S+>: No space left on "
+                     r"device", result.stderr), result.stderr[-3000:]
+    assert not (tmp_path / "last.pt").exists()
 
 
 # ---------------------------------------------------------------- 7. a rank late at evaluation

@@ -233,12 +233,3 @@ def test_unreadable_image_ends_the_job_with_one_line_and_the_checkpoint_intact(t
     assert re.fullmatch(rf"train_ddp.py: error: rank [01]: cannot read {damaged} \(.*\); remove or replace that file",
                         next(line for line in ours if "cannot read" in line)), ours
     assert load(tmp_path / "last.pt")["epoch"] == 1
-
-
-def test_shared_memory_check_counts_the_tasks_of_a_node(tmp_path):
-    # No LOCAL_WORLD_SIZE under srun: the /dev/shm check counts srun's 2 tasks on the node, not 1.
-    job = submit(tmp_path, "srun", [*SMALL, "--workers", "64", "--batch-size", "8192", "--image-size", "224"])
-    state, _, out = wait_end(job, tmp_path)
-    assert state == "FAILED", out[-4000:]
-    assert "train_ddp.py: error: --workers 64: 2 process(es) x 129 batches of 1176 MB need 303408 MB of /dev/shm" \
-        in out, out[-4000:]
