@@ -175,7 +175,7 @@ def check_args(args):
     model = meta_model(args)  # after --data's check: the classes are its folders
     if model is not None:  # None for the regnets: not checked
         check_arch_trains(model, args)
-        if args.weights and not named_weights(args):
+        if args.weights:  # named ones downloaded here: by launch.sh's dry run, once per machine
             weights_for(model, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
     interfaces = {name for _, name in socket.if_nameindex()}
@@ -278,11 +278,22 @@ def named_weights(args):
 
 
 def weights_file(args):
-    """--weights' file: the path given, or where torch's hub cache keeps the weights it names."""
+    """--weights' file: the path given, or torch's hub cache's copy of the weights it names,
+    downloaded if absent. Ranks that download at once are safe: each writes a temporary file of its
+    own and renames it (torch.hub's download_url_to_file)."""
     named = named_weights(args)
     if named is None:
         return Path(args.weights)
-    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(named.url)
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(named.url)
+    if not path.is_file():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(named.url, str(path), progress=False)
+        except Exception as e:
+            fail(f"--weights {named}: could not download {named.url} ({type(e).__name__}: {e}); "
+                 f"without a network, place that file at {path}, or pass --weights PATH to a "
+                 "state dict")
+    return path
 
 
 def weights_for(model, args):
@@ -308,24 +319,6 @@ def weights_for(model, args):
              f"{state[new[0]].shape[0]} classes, not {num_classes(args)}; expected weights "
              "trained on these classes")
     return {**state, **{key: own[key] for key in new}}, new_layers
-
-
-def fetch_weights(args):
-    """The torchvision weights --weights names, if it names them, into torch's hub cache: each
-    machine's first process downloads them while the others wait. Gathers."""
-    weights = named_weights(args)
-    if weights is None:
-        return
-    path, problem = weights_file(args), None
-    if env_local_rank() == 0 and not path.is_file():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(weights.url, str(path), progress=False)
-        except Exception as e:
-            problem = (f"--weights {weights}: could not download {weights.url} "
-                       f"({type(e).__name__}: {e}); without a network, place that file at {path}, "
-                       "or pass --weights PATH to a state dict")
-    stop_on_problems(problem)
 
 
 # --------------------------------------------------------------------------------- images

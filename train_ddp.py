@@ -187,7 +187,6 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     guard.check_same_start(checkpoint)
     train_set, val_set = build_datasets(args)  # 4. data
     steps = steps_per_epoch(train_set, args)
-    guard.fetch_weights(args)  # torchvision's weights, if --weights names them: once per machine
     model, new_layers = build_model(args, checkpoint)  # 5. model, the same on every rank
     torch.manual_seed(args.seed + dist.get_rank())  # from here, one random stream per rank
     to_input = ModelInput(args, device)

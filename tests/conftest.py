@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]  # the repo root, where the scripts under test run
@@ -139,6 +140,17 @@ def assert_same_weights(a, b, exact=True, **tolerance):
             assert torch.equal(a[key], b[key]), key
         else:
             torch.testing.assert_close(a[key].double(), b[key].double(), msg=key, **tolerance)
+
+
+def place_in_hub_cache(torch_home, arch, weights):
+    """A state dict of `arch` (1000 classes, seed 1) where torch's hub keeps the named `weights`, which it takes as
+    they are: the hub checks a file's hash only when it downloads it. Returns the state dict."""
+    path = Path(torch_home) / "hub" / "checkpoints" / os.path.basename(weights.url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1)
+    state = torchvision.models.get_model(arch).state_dict()
+    torch.save(state, path)
+    return state
 
 
 def write_images(root, make_image, classes, per_split, suffix=".png"):

@@ -19,7 +19,8 @@ from PIL import Image
 
 import guard
 import train_ddp
-from conftest import ROOT, clean_env, finish, free_port, kill_tree, load, noise_image, run, start, write_images
+from conftest import ROOT, clean_env, finish, free_port, kill_tree, load, noise_image, place_in_hub_cache, run, \
+    start, write_images
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.quick]
 
@@ -127,7 +128,10 @@ def test_settle_args_completes_the_devices_defaults_and_the_backend():
     assert train_ddp.parse_args(["--arch", "resnet18", "--comm-hook", "powersgd"]).amp == "off"
 
 
-def test_settle_args_takes_named_weights_recipe_sizes_unless_given():
+def test_settle_args_takes_named_weights_recipe_sizes_unless_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # the weights there, as if downloaded: check_args loads them
+    place_in_hub_cache(tmp_path, "resnet50", torchvision.models.ResNet50_Weights.IMAGENET1K_V2)
+    place_in_hub_cache(tmp_path, "swin_v2_t", torchvision.models.Swin_V2_T_Weights.IMAGENET1K_V1)
     args = train_ddp.parse_args(["--weights", "ResNet50_Weights.IMAGENET1K_V2"])
     assert (args.image_size, args.resize, args.interpolation) == (224, 232, "bilinear")
     args = train_ddp.parse_args(["--arch", "swin_v2_t", "--weights", "IMAGENET1K_V1"])
@@ -291,25 +295,29 @@ def test_weights_for_refuses_a_classifier_for_other_classes_to_evaluate(tmp_path
 
 def test_weights_for_reads_named_weights_from_the_hub_cache_and_names_a_bad_file_there(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    placed = place_in_hub_cache(tmp_path, "resnet18", torchvision.models.ResNet18_Weights.IMAGENET1K_V1)
     args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1", "--num-classes", "1000"])
     cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
-    cached.parent.mkdir(parents=True)
-    torch.save(torchvision.models.resnet18().state_dict(), cached)
     state, new_layers = guard.weights_for(torchvision.models.resnet18(), args)
-    assert new_layers == [] and torch.equal(state["fc.weight"], torch.load(cached)["fc.weight"])
+    assert new_layers == [] and torch.equal(state["fc.weight"], placed["fc.weight"])
     cached.write_bytes(b"placed by hand, and wrong")  # where the download's failure line says to place it
     code, err = exit_of(lambda: guard.weights_for(torchvision.models.resnet18(), args), capsys)
     assert code == 2 and err.startswith(f"train_ddp.py: error: --weights {cached}: not a readable state dict ("), err
 
 
-def test_fetch_weights_takes_them_from_the_hub_cache(world_of_one, tmp_path, monkeypatch):
+def test_weights_file_says_how_to_work_offline_when_a_download_fails(tmp_path, monkeypatch, capsys):
+    # A proxy where nothing listens: the download fails at once, as without a network.
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
+    monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{free_port()}")
+    argv = ["--arch", "resnet18", "--weights", "IMAGENET1K_V1"]
+    code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
     cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(b"placed by hand")
-    guard.fetch_weights(args)  # no download: without a network it would fail
-    assert cached.read_bytes() == b"placed by hand"
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("train_ddp.py: error: --weights ResNet18_Weights.IMAGENET1K_V1: could not download "
+                          f"{torchvision.models.ResNet18_Weights.DEFAULT.url} ("), err
+    assert err.endswith(f"; without a network, place that file at {cached}, or pass --weights PATH to a state "
+                        "dict\n"), err
+    assert not cached.parent.exists() or not any(cached.parent.iterdir())  # no partial file left
 
 
 # --------------------------------------------------------------------------------- images

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torchvision
 
 from conftest import ROOT, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, finish, \
-    free_port, kill_tree, load, metrics, noise_image, ok, proc_file, run, start, torchrun, write_images
+    free_port, kill_tree, load, metrics, noise_image, ok, place_in_hub_cache, proc_file, run, start, torchrun, \
+    write_images
 
 pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own RUN_TIMEOUT
 
@@ -538,16 +539,6 @@ def test_resume_with_amp_fp16_from_a_checkpoint_without_it(tmp_path):
 RESNET18_FILE = "resnet18-f37072fd.pth"  # the file name of ResNet18_Weights.IMAGENET1K_V1's URL
 
 
-def place_in_hub_cache(torch_home):
-    """A ResNet-18 state dict (1000 classes) where torch's hub looks for IMAGENET1K_V1: it loads as it is, since the
-    hub checks a file's hash only when it downloads it."""
-    (torch_home / "hub" / "checkpoints").mkdir(parents=True)
-    torch.manual_seed(1)
-    state = torchvision.models.resnet18().state_dict()
-    torch.save(state, torch_home / "hub" / "checkpoints" / RESNET18_FILE)
-    return state
-
-
 class ConnectionCounter:
     """A proxy that answers nothing: https_proxy pointed here makes every download fail at once, and counts them."""
 
@@ -569,7 +560,7 @@ class ConnectionCounter:
 def test_weights_by_name_load_from_the_hub_cache_and_get_a_new_classifier(tmp_path):
     # IMAGENET1K_V1 with 10 synthetic classes, no network (a download would fail through the proxy): every layer
     # but the classifier holds the placed weights (--lr 0 keeps them), and the start line says fc is new.
-    placed = place_in_hub_cache(tmp_path / "torch")
+    placed = place_in_hub_cache(tmp_path / "torch", "resnet18", torchvision.models.ResNet18_Weights.IMAGENET1K_V1)
     proxy = ConnectionCounter()
     result = ok(run(torchrun(2, *TINY, "--epochs", "1", "--train-samples", "32", "--lr", "0", "--weight-decay", "0",
                              "--image-size", "32", "--weights", "IMAGENET1K_V1", "--checkpoint-dir", tmp_path),
@@ -582,9 +573,12 @@ def test_weights_by_name_load_from_the_hub_cache_and_get_a_new_classifier(tmp_pa
         assert torch.equal(trained[key], placed[key]), key
 
 
-def test_weights_by_name_set_the_validation_recipe_unless_image_size_is_given():
+def test_weights_by_name_set_the_validation_recipe_unless_image_size_is_given(tmp_path, monkeypatch):
     import train_ddp
 
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # the weights there, as if downloaded: check_args loads them
+    place_in_hub_cache(tmp_path, "resnet50", torchvision.models.ResNet50_Weights.IMAGENET1K_V2)
+    place_in_hub_cache(tmp_path, "efficientnet_b3", torchvision.models.EfficientNet_B3_Weights.DEFAULT)
     args = train_ddp.parse_args(["--arch", "resnet50", "--weights", "IMAGENET1K_V2"])
     assert (args.image_size, args.resize, args.interpolation) == (224, 232, "bilinear")
     args = train_ddp.parse_args(["--arch", "efficientnet_b3", "--weights", "EfficientNet_B3_Weights.DEFAULT"])
@@ -594,14 +588,14 @@ def test_weights_by_name_set_the_validation_recipe_unless_image_size_is_given():
 
 
 def test_weights_download_once_per_machine_and_say_how_to_work_offline(tmp_path):
-    # Nothing in the hub cache, and no network: the first process of the machine tries to download, the other
-    # waits, and its one line names the URL and where to put the file.
+    # Nothing in the hub cache, and no network: launch.sh's dry run tries to download, once for the machine, before
+    # any rank starts, and its one line names the URL and where to put the file.
     proxy = ConnectionCounter()
-    result = run(torchrun(2, *TINY, "--weights", "IMAGENET1K_V1", "--checkpoint-dir", tmp_path),
+    result = run(["bash", LAUNCH, "2", *TINY, "--weights", "IMAGENET1K_V1", "--checkpoint-dir", tmp_path],
                  env=proxy.env(TORCH_HOME=tmp_path / "torch"))
-    assert result.returncode != 0 and proxy.connections == 1, (proxy.connections, result.stderr[-3000:])
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
-    assert line.startswith("train_ddp.py: error: rank 0: --weights ResNet18_Weights.IMAGENET1K_V1: could not download "
+    assert result.returncode == 2 and proxy.connections == 1, (proxy.connections, result.stderr[-3000:])
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("train_ddp.py: error: --weights ResNet18_Weights.IMAGENET1K_V1: could not download "
                            "https://download.pytorch.org/models/resnet18-f37072fd.pth ("), line
     assert line.endswith(f"without a network, place that file at {tmp_path / 'torch' / 'hub' / 'checkpoints'}/"
                          f"{RESNET18_FILE}, or pass --weights PATH to a state dict"), line
