@@ -702,7 +702,7 @@ def test_nodes_resuming_from_different_checkpoints_all_stop(tmp_path):
     errors = stderr(nodes[0]) + stderr(nodes[1])
     for node in nodes:  # each node says it, once
         assert stderr(node).count("train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: "
-                                  "epoch 1 step 0, weights ") == 1, stderr(node)[-3000:]
+                                  "epoch 1 step 0, samples 0; rank 1: a fresh start)") == 1, stderr(node)[-3000:]
     assert "; rank 1: a fresh start); give every node the same --resume file" in errors
 
 
