@@ -582,12 +582,12 @@ print('NOTE', f\"a CPU checkpoint resumed on $on, channels-last: epoch 2 train_l
 
 # Two ranks on the one GPU over gloo, through train_ddp.py's wrap_ddp with --sync-bn: 3 SGD steps of
 # 8 images each must give the weights and batch-norm statistics of one process stepping on all 16
-# with plain batch norm, and replicas that agree (replica_checksums stops if not). Unsynchronized
-# statistics would differ. The process group ends as train_ddp.py's does, the model freed first (a
+# with plain batch norm, on both ranks, so that the replicas agree too. Unsynchronized statistics
+# would differ. The process group ends as train_ddp.py's does, the model freed first (a
 # model alive at destroy_process_group() was the recipe of the exit hang of torch < 2.14).
 # nn.SyncBatchNorm runs on GPUs only, and train_ddp.py's --sync-bn with it: a rehearsal skips this.
 cat >"$work/shared_device.py" <<'EOF'
-import argparse, os, torch, torch.nn.functional as F, torchvision, guard, train_ddp
+import argparse, os, torch, torch.nn.functional as F, torchvision, train_ddp
 args = argparse.Namespace(sync_bn=True, channels_last=False, comm_hook="none", compile=False, backend="gloo",
                           init_timeout=60, collective_timeout=120, checkpoint_dir=os.path.dirname(__file__))
 def trained(model, x, y, device):
@@ -605,13 +605,12 @@ def main():
     torch.manual_seed(0)
     ddp = train_ddp.wrap_ddp(torchvision.models.resnet18(num_classes=10), args, device, warmup_steps=0)
     mine = slice(8 * rank, 8 * rank + 8)
-    run = argparse.Namespace(model=trained(ddp, images[mine], labels[mine], device), epoch=0, step=3)
-    checksums = guard.replica_checksums(run, args)
+    trained(ddp, images[mine], labels[mine], device)
     torch.manual_seed(0)
     single = trained(torchvision.models.resnet18(num_classes=10).to(device), images, labels, device).state_dict()
     for key, value in ddp.module.state_dict().items():
         torch.testing.assert_close(value.double(), single[key].double(), rtol=1e-3, atol=1e-4, msg=key)
-    print(f"rank {rank}: replicas {checksums} agree; weights and statistics equal one process's")
+    print(f"rank {rank}: weights and statistics equal one process's")
 with train_ddp.process_group(args, torch.device("cpu")):  # gloo, whatever the tensors' device
     main()
 EOF
@@ -633,8 +632,8 @@ one_nccl nccl_timeout_legacy || needs_gpu nccl_timeout_legacy ||
     step nccl_timeout_legacy 90 env TORCH_DIST_USE_NCCL2=0 "${timed_out[@]}" "$work/nccl_timeout_legacy"
 timed_out_verified nccl_timeout_legacy ProcessGroupNCCL
 
-# --compile, last: the costliest for what it adds; under torchrun, its first step compiles under
-# --collective-timeout.
+# --compile, last: the costliest for what it adds; under torchrun, its first two steps wait for
+# the compilation under a longer timeout (COMPILE_TIMEOUT), then --collective-timeout holds.
 no_compiler compile ||
     step compile 180 "${torchrun[@]}" --nproc-per-node 1 train_ddp.py "${small[@]}" --compile \
         --checkpoint-dir "$work/compile" --metrics-file "$work/compile.jsonl"
