@@ -1,6 +1,7 @@
 """The checks and safety nets of train_ddp.py, which a reader of its story can skip: argument and
-file checks, one-line failures, the ranks' agreement to stop, NCCL's settings, and the atomic
-checkpoint writer. What gathers or reduces says so: every rank must call it.
+file checks, one-line failures, the ranks' agreement to stop, NCCL's settings, batch norm's
+recalibration, and the atomic checkpoint writer. What gathers or reduces says so: every rank must
+call it.
 """
 import datetime
 import math
@@ -18,12 +19,15 @@ import torch
 import torch.distributed as dist
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.optim.swa_utils import update_bn
+from torch.utils.data import DataLoader
 from torch.torch_version import TorchVersion
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
 import gather_utils
 
+BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
 # How long a rank that another's SIGTERM stopped waits for its own: torchrun's agent polls its
 # workers and the nodes waiting to join every 0.1 s (every 5 s on torch 2.3).
 ELASTIC_WAIT = 10
@@ -529,6 +533,30 @@ class StopAgreement:
                     f"{ELASTIC_WAIT} s): exit 1, for torchrun to go on without it from last.pt "
                     "(one of MAX_RESTARTS)")
             sys.exit(1)
+
+
+# ------------------------------------------------------------------------------ batch norm
+@torch.no_grad()
+def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
+    """Precise batch norm: statistics for the weights as they are, from each rank's share of
+    BN_IMAGES, averaged over ranks, so that every rank validates, and saves, one model."""
+    per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
+    images = max(1, per_rank // args.batch_size) * args.batch_size
+    loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
+                        sampler=list(sampler)[:images], num_workers=args.workers,
+                        generator=torch.Generator().manual_seed(args.seed))
+    batches, problem = [], None
+    try:  # all read first: with --sync-bn each forward is a collective, which every rank must reach
+        batches = list(loader)
+    except UnreadableImage as e:
+        problem = unreadable(e)
+    stop_on_problems(problem)
+    with torch.random.fork_rng([to_input.device] if to_input.device.type == "cuda" else []):
+        update_bn((to_input(*batch)[0] for batch in batches), model)  # training's RNG untouched
+    for norm in model.modules():
+        if getattr(norm, "track_running_stats", False):
+            for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
+                dist.all_reduce(stats.div_(dist.get_world_size()))
 
 
 # ------------------------------------------------------------------------ checkpoint writes

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.transforms import v2
@@ -53,7 +52,6 @@ ARCHS = torchvision.models.list_models(module=torchvision.models)
 SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # torchvision's weights'
 SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-resized crops of 8%
-BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
 COMPILE_TIMEOUT = 1800  # what collectives wait for the ranks' compilation: see wrap_ddp
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
                    "rng"}
@@ -350,7 +348,7 @@ def fit(run, train_set, val_set, args, to_input, stop):
             save_checkpoint(run, args)
             return log_stop(args, f"at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}")
         run.epoch, run.samples, run.step = epoch + 1, 0, 0
-        recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
+        guard.recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
         # Saved before validating: a SIGTERM or a kill during validation loses no training.
         save_checkpoint(run, args)
         metrics = validate(run.model.module, val_set, args, to_input)
@@ -458,29 +456,6 @@ class ModelInput:
         images = images.to(self.device, non_blocking=True)
         images = images.contiguous(memory_format=self.memory_format).float()
         return images.sub_(self.mean).div_(self.std), labels.to(self.device, non_blocking=True)
-
-
-@torch.no_grad()
-def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
-    """Precise batch norm: statistics for the weights as they are, from each rank's share of
-    BN_IMAGES, averaged over ranks, so that every rank validates, and saves, one model."""
-    per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
-    images = max(1, per_rank // args.batch_size) * args.batch_size
-    loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
-                        sampler=list(sampler)[:images], num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(args.seed))
-    batches, problem = [], None
-    try:  # all read first: with --sync-bn each forward is a collective, which every rank must reach
-        batches = list(loader)
-    except guard.UnreadableImage as e:
-        problem = guard.unreadable(e)
-    guard.stop_on_problems(problem)
-    with torch.random.fork_rng([to_input.device] if to_input.device.type == "cuda" else []):
-        update_bn((to_input(*batch)[0] for batch in batches), model)  # training's RNG untouched
-    for norm in model.modules():
-        if getattr(norm, "track_running_stats", False):
-            for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
-                dist.all_reduce(stats.div_(dist.get_world_size()))
 
 
 @torch.no_grad()

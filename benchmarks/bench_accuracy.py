@@ -13,7 +13,7 @@ process, --lr 0.05, --workers 0, the other flags at their defaults (the flip too
 The two arms differ only in the batch-norm statistics that validation (and last.pt) uses: "recalibrated" is
 train_ddp.py as it is; "running averages" gives every rank rank 0's running averages instead, as validation did before
 the recalibration. No flag of train_ddp.py switches it: torchrun starts this file, which replaces
-train_ddp.recalibrate_batch_norm for that arm and calls train_ddp.main(). The recalibration draws its augmentation
+guard.recalibrate_batch_norm for that arm and calls train_ddp.main(). The recalibration draws its augmentation
 from a copy of the random stream, so both arms train the same weights: each seed's difference is the statistics alone.
 """
 
@@ -94,10 +94,11 @@ def train(arm, seed, data, workdir, args):
 
 def train_as_rank(arm, argv):
     """A training process, as torchrun starts it: train_ddp.py's main(), with this arm's batch-norm statistics."""
+    import guard
     import train_ddp
 
     if arm == "running averages":
-        train_ddp.recalibrate_batch_norm = running_averages
+        guard.recalibrate_batch_norm = running_averages
     train_ddp.main(argv)
 
 
