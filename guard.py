@@ -382,12 +382,6 @@ def raise_nccl_timeouts(args):
         os.environ[names[0]] = given[0] if given else value
 
 
-def check_master_env():
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        fail("WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; under srun export both "
-             "(docs/launching.md)")
-
-
 def store_of_this_attempt(store):
     """torchrun's store outlives a restart (MAX_RESTARTS) with the last attempt's keys, which would
     hang the group: a prefix per attempt. The old ProcessGroupNCCL's failure signal lies beneath
@@ -404,6 +398,9 @@ def store_of_this_attempt(store):
 
 def init_failure(error, args, world_size):
     """Why the process group did not form, in one line that says what to change."""
+    if isinstance(error, ValueError):  # MASTER_ADDR or MASTER_PORT unset or not a number
+        return (f"{first_line(error)}; expected MASTER_ADDR and a MASTER_PORT number from the "
+                "launcher (under srun, export both: docs/launching.md)")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     text = str(error)
     duplicate = [line.strip() for line in text.splitlines() if "Duplicate GPU" in line]

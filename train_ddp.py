@@ -166,7 +166,6 @@ def init_distributed(args, device):
 def join_process_group(args, backend, rank, world_size, bind):
     """The ranks meet at MASTER_ADDR:MASTER_PORT within --init-timeout (the rendezvous and gloo's
     connections); one line from each rank if they do not."""
-    guard.check_master_env()
     timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
@@ -568,7 +567,8 @@ class StepClock:
 
     def __init__(self, step, device, images_per_step):
         self.device, self.images_per_step, self.first_step = device, images_per_step, step
-        self.marks = [(step, synced_clock(device), 0.0)]  # (step, time, data waited), per line
+        # (step, time, data waited) at the start, the first log line and the last one
+        self.marks = [(step, synced_clock(device), 0.0)]
         self.waited = 0.0
 
     @contextmanager
@@ -580,7 +580,7 @@ class StepClock:
     def line(self, step):
         """(images/s, the share of time waiting for data) since the line before; marks this one."""
         (line_step, began, waited), now = self.marks[-1], synced_clock(self.device)
-        self.marks.append((step, now, self.waited))
+        self.marks = [*self.marks[:2], (step, now, self.waited)]
         return ((step - line_step) * self.images_per_step / (now - began),
                 (self.waited - waited) / (now - began))
 

@@ -413,6 +413,16 @@ def test_init_failure_says_what_to_change(monkeypatch):
     assert gloo.endswith("set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on)")
 
 
+def test_a_launcher_variable_missing_is_named_in_one_line(tmp_path):
+    # torch's env:// rendezvous names the variable; the line adds where it comes from.
+    env = clean_env(RANK=1, WORLD_SIZE=2, MASTER_PORT=29500)
+    result = run([sys.executable, ROOT / "train_ddp.py", "--checkpoint-dir", tmp_path], env=env)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "train_ddp.py: error: rank 1: Error initializing torch.distributed using env:// rendezvous: "
+        "environment variable MASTER_ADDR expected, but not set; expected MASTER_ADDR and a MASTER_PORT "
+        "number from the launcher (under srun, export both: docs/launching.md)"], result.stderr
+
+
 COLLECTIVE_FAILED = """
 import atexit, sys, types
 import torch.distributed as dist
