@@ -344,10 +344,14 @@ def read_image(path):
     return image
 
 
-def unreadable(error):
-    """The line for an UnreadableImage, also one a DataLoader worker raised (its text ends so)."""
-    path = str(error).rsplit("UnreadableImage: ", 1)[-1].strip()
-    return f"cannot read {path}; remove or replace that file"
+def read_or_problem(read):
+    """(read(), None), or (None, the line) if it met an image it cannot read (also in a DataLoader
+    worker, whose error's text ends with the original's)."""
+    try:
+        return read(), None
+    except UnreadableImage as e:
+        path = str(e).rsplit("UnreadableImage: ", 1)[-1].strip()
+        return None, f"cannot read {path}; remove or replace that file"
 
 
 # ----------------------------------------------------------------- the device, the process group
@@ -542,11 +546,8 @@ def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
     loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
                         sampler=list(sampler)[:images], num_workers=args.workers,
                         generator=torch.Generator().manual_seed(args.seed))
-    batches, problem = [], None
-    try:  # all read first: with --sync-bn each forward is a collective, which every rank must reach
-        batches = list(loader)
-    except UnreadableImage as e:
-        problem = unreadable(e)
+    # All read first: with --sync-bn each forward is a collective, which every rank must reach.
+    batches, problem = read_or_problem(lambda: list(loader))
     stop_on_problems(problem)
     with torch.random.fork_rng([to_input.device] if to_input.device.type == "cuda" else []):
         update_bn((to_input(*batch)[0] for batch in batches), model)  # training's RNG untouched

@@ -422,10 +422,8 @@ def train_one_epoch(run, loader, args, to_input, stop):
 
 def next_step(batches, args, stop):
     """The next step's micro-batches; this rank's stop flags (and an unreadable image) go out."""
-    try:
-        micro_batches, problem = [next(batches) for _ in range(args.accum_steps)], None
-    except guard.UnreadableImage as e:
-        micro_batches, problem = [], guard.unreadable(e)
+    micro_batches, problem = guard.read_or_problem(
+        lambda: [next(batches) for _ in range(args.accum_steps)])
     stop.send(problem)
     return micro_batches
 
@@ -467,22 +465,23 @@ def validate(model, val_set, args, to_input):
     loader = DataLoader(val_set, batch_size=args.batch_size, sampler=indices,
                         num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
                         generator=torch.Generator().manual_seed(args.seed))
-    rows, problem = [], None
-    try:
-        for batch in loader:
-            images, labels = to_input(*batch)
-            with autocast:
-                logits = model(images).float()
-            hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
-            loss = F.cross_entropy(logits, labels, reduction="none")
-            rows.append(torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double())
-    except guard.UnreadableImage as e:
-        problem = guard.unreadable(e)
+    rows, problem = guard.read_or_problem(lambda: [val_rows(model, batch, autocast, to_input)
+                                                   for batch in loader])
     guard.stop_on_problems(problem)  # all ranks reach the next gather, or all stop
     rows = gather_utils.gather_for_metrics(torch.cat(rows), torch.tensor(indices), len(val_set))
     loss, acc1, acc5 = rows.mean(dim=0).tolist()
     return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5,
             "val_samples": len(rows)}
+
+
+def val_rows(model, batch, autocast, to_input):
+    """A row per image: its loss, whether the label is the top-1 guess, and in the top 5."""
+    images, labels = to_input(*batch)
+    with autocast:
+        logits = model(images).float()
+    hits = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]).float()
+    loss = F.cross_entropy(logits, labels, reduction="none")
+    return torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double()
 
 
 def amp_context(args, device):

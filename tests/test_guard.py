@@ -340,11 +340,17 @@ def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
             guard.read_image(tmp_path / name)
 
 
-def test_unreadable_takes_the_path_from_a_dataloader_workers_text():
-    error = RuntimeError("Caught UnreadableImage in DataLoader worker process 0.\nOriginal Traceback ...\n"
-                         "guard.UnreadableImage: /data/x.jpg (OSError: truncated)\n")
-    assert guard.unreadable(error) == "cannot read /data/x.jpg (OSError: truncated); remove or replace that file"
-    assert guard.unreadable(guard.UnreadableImage("/d/y.png (SyntaxError: bad)")).startswith("cannot read /d/y.png")
+def test_read_or_problem_names_the_file_also_from_a_dataloader_workers_text():
+    def raise_(text):
+        raise guard.UnreadableImage(text)
+
+    # DataLoader raises a worker's error again as its type, with the worker's traceback in front.
+    worker = ("Caught UnreadableImage in DataLoader worker process 0.\nOriginal Traceback ...\n"
+              "guard.UnreadableImage: /data/x.jpg (OSError: truncated)\n")
+    assert guard.read_or_problem(lambda: raise_(worker)) == (
+        None, "cannot read /data/x.jpg (OSError: truncated); remove or replace that file")
+    assert guard.read_or_problem(lambda: raise_("/d/y.png (SyntaxError: bad)"))[1].startswith("cannot read /d/y.png")
+    assert guard.read_or_problem(lambda: [1, 2]) == ([1, 2], None)
 
 
 # ----------------------------------------------------------------- the device, the process group
