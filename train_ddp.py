@@ -183,7 +183,8 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     """A function of its own: the DDP model is freed before process_group() ends the group."""
     guard.check_same_start(checkpoint)
     train_set, val_set = build_datasets(args)  # 4. data
-    steps = steps_per_epoch(train_set, args)
+    global_batch = args.batch_size * args.accum_steps * dist.get_world_size()
+    steps = steps_per_epoch(train_set, global_batch, args)
     model, new_layers = build_model(args, checkpoint)  # 5. model, the same on every rank
     torch.manual_seed(args.seed + dist.get_rank())  # from here, one random stream per rank
     to_input = ModelInput(args, device)
@@ -192,7 +193,6 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         metrics = validate(model, val_set, args, to_input)
         append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
         return log(json.dumps(metrics))
-    global_batch = args.batch_size * args.accum_steps * dist.get_world_size()
     done = 0  # the epochs trained (PowerSGD compresses once the warm-up's are)
     if checkpoint:
         done = checkpoint["epoch"] + checkpoint["samples"] / (steps * global_batch)
@@ -251,10 +251,10 @@ def build_datasets(args):
             for split, transforms in [("train", train), ("val", val)]]
 
 
-def steps_per_epoch(train_set, args):
+def steps_per_epoch(train_set, global_batch, args):
     """Optimizer steps per epoch: equal on every rank, as DistributedSampler's shards are."""
     shard = math.ceil(len(train_set) / dist.get_world_size())
-    steps = shard // (args.batch_size * args.accum_steps)
+    steps = shard * dist.get_world_size() // global_batch
     if steps == 0:
         guard.fail(f"the train set ({len(train_set)} images over {dist.get_world_size()} ranks) "
                    f"is smaller than one step of --batch-size {args.batch_size} x --accum-steps "
@@ -318,15 +318,17 @@ def build_optimizer(model, args):
 # -------------------------------------------------------------------------- 6. train, validate
 @dataclass
 class Training:
-    """What the loop carries from step to step; a checkpoint saves its state."""
+    """What the loop carries from step to step; a checkpoint saves its state. Training stands in
+    epoch `epoch` (0-based), after the first `samples` images of its order (over all ranks, at any
+    world size and batch), which is after `step` optimizer steps at this world size and batch."""
     model: DDP
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # disabled unless --amp fp16
     steps_per_epoch: int  # at this world size and batch
     images_per_step: int  # the global batch: --batch-size x --accum-steps x world size
-    epoch: int = 0  # where training stands: in epoch `epoch` (0-based), after the first
-    samples: int = 0  # `samples` images of its order (over all ranks, at any world size and batch),
-    step: int = 0  # which is after `step` optimizer steps at this world size and batch
+    epoch: int = 0
+    samples: int = 0
+    step: int = 0
     writer: guard.CheckpointWriter = field(default_factory=guard.CheckpointWriter)
 
 
@@ -338,7 +340,8 @@ def fit(run, train_set, val_set, args, to_input, stop):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Workers seeded by a generator of their own, not from the RNG that a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        shard, run.step = rest_of_epoch(sampler, run, args)  # all of it, unless resumed mid-epoch
+        # This rank's indices of the epoch, as a list: all of them, or a resume's rest (whole steps).
+        shard, run.step = rest_of_epoch(sampler, run)
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
                             drop_last=True, generator=torch.Generator().manual_seed(worker_seed))
@@ -363,13 +366,13 @@ def fit(run, train_set, val_set, args, to_input, stop):
             return log_stop(args, f"after epoch {epoch + 1}")
 
 
-def rest_of_epoch(sampler, run, args):
+def rest_of_epoch(sampler, run):
     """This rank's indices for the rest of the epoch, in whole steps, as many on every rank, and
     the step they start after. DistributedSampler deals the epoch's one order out in turn (rank r:
     entries r, r + world, ...), so the run.samples trained before, at any world size and batch,
     are its first ones: each rank skips its share (docs/checkpoints.md)."""
     world, rank = sampler.num_replicas, sampler.rank
-    per_rank_step = args.batch_size * args.accum_steps
+    per_rank_step = run.images_per_step // world
     skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
     steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_rank_step  # rank 0's
     return list(sampler)[skip: skip + steps_left * per_rank_step], run.steps_per_epoch - steps_left
@@ -493,7 +496,7 @@ def memory_format(args):
     return torch.channels_last if args.channels_last else torch.contiguous_format
 
 
-# ---------------------------------------------------------------------------- 6. the log lines
+# ---------------------------------------------------- the log lines of training and validation
 def log(message):
     if dist.get_rank() == 0:
         print(message, flush=True)

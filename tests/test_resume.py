@@ -30,13 +30,14 @@ def test_rest_of_epoch_trains_each_image_of_the_epoch_once_at_another_world_size
 
     def shards(layout, samples):
         world, batch, accum = layout
-        args = SimpleNamespace(batch_size=batch, accum_steps=accum)
         for rank in range(world):
             sampler = DistributedSampler(images, num_replicas=world, rank=rank, seed=0)
             sampler.set_epoch(epoch)
-            run = SimpleNamespace(samples=samples, steps_per_epoch=len(sampler) // (batch * accum))
-            shard, step = train_ddp.rest_of_epoch(sampler, run, args)
-            assert vars(run) == {"samples": samples, "steps_per_epoch": run.steps_per_epoch}  # unchanged
+            run = SimpleNamespace(samples=samples, steps_per_epoch=len(sampler) // (batch * accum),
+                                  images_per_step=batch * accum * world)
+            before_call = dict(vars(run))
+            shard, step = train_ddp.rest_of_epoch(sampler, run)
+            assert vars(run) == before_call  # unchanged
             yield shard, step
 
     cut_steps = {(2, 4, 1): 6, (4, 2, 1): 5, (3, 4, 1): 2, (3, 2, 2): 3}[before]
