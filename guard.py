@@ -123,6 +123,7 @@ def settle_args(args, device_defaults):
     published with), else this device's defaults; validation's resize; the backend."""
     args.image_size_given = args.image_size is not None
     weights = named_weights(args)
+    args.weights_url = weights and weights.url  # where weights_file fetches named weights from
     if weights and args.image_size is None:
         recipe = weights.transforms()
         args.image_size, args.resize = recipe.crop_size[0], recipe.resize_size[0]
@@ -284,16 +285,16 @@ def weights_file(args):
     """--weights' file: the path given, or torch's hub cache's copy of the weights it names,
     downloaded if absent. Ranks that download at once are safe: each writes a temporary file of its
     own and renames it (torch.hub's download_url_to_file)."""
-    named = named_weights(args)
-    if named is None:
+    url = args.weights_url
+    if not url:
         return Path(args.weights)
-    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(named.url)
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
     if not path.is_file():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(named.url, str(path), progress=False)
+            torch.hub.download_url_to_file(url, str(path), progress=False)
         except Exception as e:
-            fail(f"--weights {named}: could not download {named.url} ({type(e).__name__}: {e}); "
+            fail(f"--weights {args.weights}: could not download {url} ({type(e).__name__}: {e}); "
                  f"without a network, place that file at {path}, or pass --weights PATH to a "
                  "state dict")
     return path

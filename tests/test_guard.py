@@ -313,7 +313,7 @@ def test_weights_file_says_how_to_work_offline_when_a_download_fails(tmp_path, m
     code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
     cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("train_ddp.py: error: --weights ResNet18_Weights.IMAGENET1K_V1: could not download "
+    assert err.startswith("train_ddp.py: error: --weights IMAGENET1K_V1: could not download "
                           f"{torchvision.models.ResNet18_Weights.DEFAULT.url} ("), err
     assert err.endswith(f"; without a network, place that file at {cached}, or pass --weights PATH to a state "
                         "dict\n"), err
