@@ -249,16 +249,11 @@ def check_image_folder(root):
 
 
 def check_classes(state, args, source):
-    """A checkpoint's model must be for this run's classes, or every rank's load_state_dict fails
-    with a traceback (the regnets, which meta_model cannot build, do)."""
+    """A checkpoint's model must fit this run's, its classes too, or every rank's load_state_dict
+    fails with a traceback (the regnets, which meta_model cannot build, do)."""
     model = meta_model(args)
-    if model is None:
-        return
-    for key, tensor in model.state_dict().items():
-        if key in state and state[key].shape != tensor.shape:
-            fail(f"{source}: {key} has shape {list(state[key].shape)}, but --arch {args.arch} for "
-                 f"{num_classes(args)} classes has {list(tensor.shape)}; expected the classes it "
-                 "was trained on (--num-classes, or the class folders of --data)")
+    if model is not None:
+        fit(state, model, args, source, new_allowed=False)
 
 
 def num_classes(args):
@@ -301,27 +296,34 @@ def weights_file(args):
 
 
 def weights_for(model, args):
-    """--weights' state dict for `model`, and the layers left new: every key must be there, of the
-    same shape, but the classifier's, which may be for another number of classes."""
+    """--weights' state dict for `model`, and the layers left new (see fit)."""
     state = load_file(weights_file(args), "--weights", "state dict")  # a bad file: one line
     if isinstance(state, dict) and "model" in state:  # a last.pt
         state = state["model"]
+    if args.evaluate:  # it would validate a classifier made at random
+        return fit(state, model, args, f"--evaluate --weights {args.weights}", new_allowed=False)
+    return fit(state, model, args, f"--weights {args.weights}", new_allowed=True)
+
+
+def fit(state, model, args, source, new_allowed):
+    """`state` completed for `model`, and the layers left new: every key must be there, of the same
+    shape, but a classifier's, which may be for another number of classes if `new_allowed`."""
     own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
     # num_batches_tracked: weights saved before torch 0.4.1 lack it.
     missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}
     if missing or theirs - own.keys():
-        fail(f"--weights {args.weights} does not fit --arch {args.arch}: missing keys "
-             f"{sorted(missing)[:3]}, unexpected keys {sorted(theirs - own.keys())[:3]}")
+        fail(f"{source} does not fit --arch {args.arch}: missing keys {sorted(missing)[:3]}, "
+             f"unexpected keys {sorted(theirs - own.keys())[:3]}")
     new = [key for key in theirs if state[key].shape != own[key].shape]
     for key in new:
         if state[key].shape[1:] != own[key].shape[1:] or own[key].shape[0] != num_classes(args):
-            fail(f"--weights {args.weights} does not fit --arch {args.arch}: {key} has shape "
+            fail(f"{source} does not fit --arch {args.arch}: {key} has shape "
                  f"{list(state[key].shape)}, expected {list(own[key].shape)}")
     new_layers = sorted({key.rpartition(".")[0] for key in new})
-    if new and args.evaluate:  # it would validate a classifier made at random
-        fail(f"--evaluate --weights {args.weights}: {', '.join(new_layers)} is for "
-             f"{state[new[0]].shape[0]} classes, not {num_classes(args)}; expected weights "
-             "trained on these classes")
+    if new and not new_allowed:
+        fail(f"{source}: {', '.join(new_layers)} is for {state[new[0]].shape[0]} classes, not "
+             f"{num_classes(args)}; expected the classes it was trained on (--num-classes, or the "
+             "class folders of --data)")
     return {**state, **{key: own[key] for key in new}}, new_layers
 
 

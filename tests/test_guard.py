@@ -290,7 +290,7 @@ def test_weights_for_refuses_a_classifier_for_other_classes_to_evaluate(tmp_path
     code, err = exit_of(lambda: train_ddp.parse_args(argv + ["--num-classes", "5"]), capsys)
     assert code == 2 and err.strip().splitlines() == [
         f"train_ddp.py: error: --evaluate --weights {tmp_path}/w.pt: fc is for 7 classes, not 5; expected "
-        "weights trained on these classes"], err
+        "the classes it was trained on (--num-classes, or the class folders of --data)"], err
 
 
 def test_weights_for_reads_named_weights_from_the_hub_cache_and_names_a_bad_file_there(tmp_path, monkeypatch, capsys):

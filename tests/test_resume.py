@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
 import guard
@@ -79,7 +80,8 @@ def test_load_checkpoint_reads_the_jobs_last_pt_once(tmp_path):
     # loaded, read once (a ResNet-50's is 190 MB, read by every rank of every node).
     last = tmp_path / "last.pt"
     args = {"arch": "resnet18", "batch_size": 8, "accum_steps": 1, "image_size": 32}
-    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "model": {}, "args": args, "run_id": "job-7"}, last)
+    model = torchvision.models.resnet18(num_classes=10).state_dict()
+    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "model": model, "args": args, "run_id": "job-7"}, last)
     code = f"""if True:
         import types, torch, train_ddp
         real_load, reads = torch.load, []
@@ -99,7 +101,7 @@ def test_load_checkpoint_reads_the_jobs_last_pt_once(tmp_path):
 def test_load_checkpoint_refuses_a_model_for_other_classes_with_one_line(tmp_path, capsys):
     # Without the check, every rank's load_state_dict raised its size mismatch in the process group.
     path = tmp_path / "last.pt"
-    model = {"fc.weight": torch.zeros(10, 512), "fc.bias": torch.zeros(10)}
+    model = torchvision.models.resnet18(num_classes=10).state_dict()
     args = {"arch": "resnet18", "batch_size": 8, "accum_steps": 1, "image_size": 32}
     torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "model": model, "args": args}, path)
     argv = ["--arch", "resnet18", "--resume", str(path), "--image-size", "32"]
@@ -108,8 +110,8 @@ def test_load_checkpoint_refuses_a_model_for_other_classes_with_one_line(tmp_pat
         train_ddp.load_checkpoint(train_ddp.parse_args(argv + ["--num-classes", "5"]))
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1, err
-    assert (f"--resume {path}: fc.weight has shape [10, 512], but --arch resnet18 for 5 classes has [5, 512]; "
-            "expected the classes it was trained on") in err, err
+    assert (f"--resume {path}: fc is for 10 classes, not 5; expected the classes it was trained on "
+            "(--num-classes, or the class folders of --data)") in err, err
 
 
 def test_append_metrics_writes_null_for_a_figure_of_no_step_and_makes_its_folder(tmp_path):
