@@ -182,6 +182,8 @@ def check_args(args):
         if args.weights:  # named ones downloaded here: by launch.sh's dry run, once per machine
             weights_for(model, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
+    if args.profile:
+        check_writable(Path(args.profile), "--profile")
     interfaces = {name for _, name in socket.if_nameindex()}
     for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(","):  # gloo's list: each must exist
         if name and name not in interfaces:

@@ -113,6 +113,7 @@ def parse_args(argv=None):
     p.add_argument("--resume", help="checkpoint to continue from")
     p.add_argument("--evaluate", action="store_true", help="validate --resume or --weights, exit")
     p.add_argument("--metrics-file", help="rank 0 appends one JSON line per epoch here")
+    p.add_argument("--profile", metavar="DIR", help="trace steps 4-6 of the first epoch, per rank")
     p.add_argument("--dry-run", action="store_true", help="check arguments and files, then exit")
     p.set_defaults(resize=None, interpolation="bilinear")  # validation's resize, before its crop
     # This device's defaults, or --weights' recipe; then every check that needs no process group.
@@ -335,7 +336,8 @@ class Training:
 def fit(run, train_set, val_set, args, to_input, stop):
     """Train from where `run` stands to the last epoch; after each, save last.pt and validate."""
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    for epoch in range(run.epoch, args.epochs):
+    epochs = range(run.epoch, args.epochs)
+    for epoch in epochs:
         run.epoch, epoch_start = epoch, time.perf_counter()
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Workers seeded by a generator of their own, not from the RNG that a resume restores.
@@ -345,7 +347,8 @@ def fit(run, train_set, val_set, args, to_input, stop):
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
                             drop_last=True, generator=torch.Generator().manual_seed(worker_seed))
-        train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop)
+        with profile_steps(run, args, epoch == epochs.start) as profiler:
+            train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop, profiler)
         if stopped:
             save_checkpoint(run, args)
             return log_stop(args, f"at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}")
@@ -378,7 +381,7 @@ def rest_of_epoch(sampler, run):
     return list(sampler)[skip: skip + steps_left * per_rank_step], run.steps_per_epoch - steps_left
 
 
-def train_one_epoch(run, loader, args, to_input, stop):
+def train_one_epoch(run, loader, args, to_input, stop, profiler):
     """Train to the epoch's end, or until the ranks agree to stop: (the loss, data-wait share and
     images/s averaged over ranks, stopped). The host never waits for the GPU between log lines."""
     if run.step == run.steps_per_epoch:  # resumed at a larger step: less than one left
@@ -419,8 +422,28 @@ def train_one_epoch(run, loader, args, to_input, stop):
             log_step(run, args, step_loss, lr, clock)
         if args.save_every and run.step % args.save_every == 0 and run.step < run.steps_per_epoch:
             save_checkpoint(run, args)  # the epoch's end saves anyway
+        if profiler:  # --profile: a traced step ends here, its log line and save included
+            profiler.step()
     stats = {"train_loss": loss_sum / (run.step - clock.first_step), **clock.epoch()}
     return mean_over_ranks(stats, to_input.device), False
+
+
+def profile_steps(run, args, first_epoch):
+    """--profile DIR: each rank traces steps 4 to 6 of the first epoch trained, after DDP's bucket
+    rebuild and any compilation (a shorter epoch skips fewer), into a Chrome trace file in DIR."""
+    left = run.steps_per_epoch - run.step
+    if not (args.profile and first_epoch and left):  # none left: a resume at a larger batch
+        return nullcontext()
+    warmup = min(1, left - 1)  # a step that starts the profiler, not traced
+    active = min(3, left - warmup)
+    skip = min(2, left - warmup - active)
+    first = run.step + skip + warmup + 1
+    log(f"--profile: each rank traces steps {first}-{first + active - 1} of epoch {run.epoch + 1} "
+        f"into {args.profile}/rank<N>.*.pt.trace.json; open one at https://ui.perfetto.dev")
+    return torch.profiler.profile(  # by default the CPU's activity, and CUDA's where there is a GPU
+        schedule=torch.profiler.schedule(wait=skip, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(args.profile,
+                                                                f"rank{dist.get_rank()}"))
 
 
 def next_step(batches, args, stop):
