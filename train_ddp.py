@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -280,7 +279,7 @@ def build_model(args, checkpoint):
 
 def wrap_ddp(model, args, device, warmup_steps):
     if args.sync_bn:  # on GPUs only: check_args refuses it without CUDA
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     register_comm_hook(ddp, args.comm_hook, warmup_steps)
