@@ -141,21 +141,16 @@ def settle_args(args, device_defaults):
 
 def check_args(args):
     """Reject bad input before any process group exists, so that nothing can hang on it."""
-    for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples",
-                 "image_size", "log_every"]:
+    least = dict(epochs=1, batch_size=1, accum_steps=1, train_samples=1, val_samples=1,
+                 image_size=1, log_every=1, save_every=1, num_classes=2, workers=0)
+    for name, lowest in least.items():
         value = getattr(args, name)
-        if value < 1:
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.save_every is not None and args.save_every < 1:
-        fail(f"--save-every must be a positive number of optimizer steps, got {args.save_every}")
-    if args.num_classes < 2:
-        fail(f"--num-classes must be at least 2, got {args.num_classes}")
-    if args.workers < 0:
-        fail(f"--workers must be 0 or more, got {args.workers}")
-    for flag, seconds in [("--init-timeout", args.init_timeout),
-                          ("--collective-timeout", args.collective_timeout)]:
+        if value is not None and value < lowest:  # None: --save-every not given
+            fail(f"--{name.replace('_', '-')} must be {lowest} or more, got {value}")
+    for name in ["init_timeout", "collective_timeout"]:
+        seconds = getattr(args, name)
         if seconds <= 0:
-            fail(f"{flag} must be a positive number of seconds, got {seconds}")
+            fail(f"--{name.replace('_', '-')} must be more than 0 seconds, got {seconds:g}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     if args.sync_bn and not torch.cuda.is_available():

@@ -140,16 +140,16 @@ def test_settle_args_takes_named_weights_recipe_sizes_unless_given(tmp_path, mon
 
 
 CHECK_ARGS_FAILURES = {
-    "--epochs 0": "--epochs must be a positive integer, got 0",
-    "--accum-steps -1": "--accum-steps must be a positive integer, got -1",
-    "--train-samples 0": "--train-samples must be a positive integer, got 0",
-    "--val-samples 0": "--val-samples must be a positive integer, got 0",
-    "--image-size 0": "--image-size must be a positive integer, got 0",
-    "--log-every 0": "--log-every must be a positive integer, got 0",
-    "--num-classes 1": "--num-classes must be at least 2, got 1",
+    "--epochs 0": "--epochs must be 1 or more, got 0",
+    "--accum-steps -1": "--accum-steps must be 1 or more, got -1",
+    "--train-samples 0": "--train-samples must be 1 or more, got 0",
+    "--val-samples 0": "--val-samples must be 1 or more, got 0",
+    "--image-size 0": "--image-size must be 1 or more, got 0",
+    "--log-every 0": "--log-every must be 1 or more, got 0",
+    "--num-classes 1": "--num-classes must be 2 or more, got 1",
     "--workers -1": "--workers must be 0 or more, got -1",
-    "--init-timeout 0": "--init-timeout must be a positive number of seconds, got 0",
-    "--collective-timeout -1": "--collective-timeout must be a positive number of seconds, got -1",
+    "--init-timeout 0": "--init-timeout must be more than 0 seconds, got 0",
+    "--collective-timeout -1": "--collective-timeout must be more than 0 seconds, got -1",
     "--arch inception_v3 --image-size 32": "--arch inception_v3 cannot train on 32 px images",
     "--arch resnet18 --batch-size 1": "--arch resnet18 cannot train on 32 px images (ValueError: Expected more than 1 "
                                       "value per channel when training, got input size torch.Size([1, 512, 1, 1])); "
