@@ -1,8 +1,6 @@
-"""The checks and safety nets of train_ddp.py, which a reader of its story can skip: argument and
-file checks, one-line failures, the ranks' agreement to stop, NCCL's settings, batch norm's
-recalibration, and the atomic checkpoint writer. What gathers or reduces says so: every rank must
-call it.
-"""
+"""train_ddp.py's checks and safety nets, which a reader of its story can skip: one-line failures,
+the ranks' agreement to stop, NCCL's settings, batch norm's recalibration, the checkpoint writer.
+What gathers or reduces says so: every rank must call it."""
 import datetime
 import math
 import os
@@ -81,8 +79,7 @@ def env_local_rank():
 
 
 def world_from_env():
-    """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID),
-    else one process."""
+    """Rank, world size: torchrun's, else srun's (only a task has SLURM_STEP_ID), else 0, 1."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if "SLURM_STEP_ID" in os.environ:
@@ -192,8 +189,7 @@ def check_args(args):
 
 
 def meta_model(args):
-    """This run's model on the meta device (shapes, no memory), or None for the regnets, which
-    compute while they build."""
+    """This run's model on the meta device, or None for the regnets, which compute as they build."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
         try:
@@ -203,8 +199,7 @@ def meta_model(args):
 
 
 def check_arch_trains(model, args):
-    """A forward of meta_model's `model`: one that cannot train at this image size and batch, or
-    returns more than logits, fails."""
+    """Fail where `model` cannot train at this image size and batch, or returns more than logits."""
     hint, batch = "a larger --image-size or another --arch", 2
     # Batch norm needs 2 values per channel; --sync-bn's come from every rank, which a dry run
     # (launch.sh's) cannot count: there each rank checks again.
@@ -274,9 +269,8 @@ def named_weights(args):
 
 
 def weights_file(args):
-    """--weights' file: the path given, or torch's hub cache's copy of the weights it names,
-    downloaded if absent. Ranks that download at once are safe: each writes a temporary file of its
-    own and renames it (torch.hub's download_url_to_file)."""
+    """--weights' file: its path, or the hub cache's copy of the weights it names, downloaded if
+    absent (by ranks at once too: torch.hub's download_url_to_file renames a file of its own)."""
     url = args.weights_url
     if not url:
         return Path(args.weights)
@@ -330,8 +324,7 @@ class UnreadableImage(Exception):
 
 
 def read_image(path):
-    """A file as RGB uint8: torchvision.io's decoders for the formats they read, a third of PIL's
-    time for JPEG; PIL for the others (BMP, TIFF, ...)."""
+    """A file as RGB uint8: torchvision.io decodes (JPEG in a third of PIL's time), else PIL."""
     try:
         image = decode_image(read_file(path), mode=ImageReadMode.RGB)
     except RuntimeError:  # not a format torchvision.io reads, or a damaged file: PIL tells which
@@ -366,10 +359,9 @@ def gpu_index(local_rank):
 
 
 def raise_nccl_timeouts(args):
-    """A collective past --collective-timeout dumps each rank's flight recorder beside the
-    checkpoints and aborts NCCL, so that the next collective raises for collective_failed()'s line:
-    TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not torchrun's 1, which kills without a line. The user's
-    values win, under any of the names torch reads."""
+    """A collective past --collective-timeout dumps each rank's flight recorder by the checkpoints
+    and aborts NCCL, for collective_failed()'s line: TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not
+    torchrun's 1, which kills without a line. The user's values win, under any name torch reads."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     # torchrun sets the new name to 1 where it is unset: a 1 there gives way to the legacy name.
     handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -387,10 +379,9 @@ def raise_nccl_timeouts(args):
 
 
 def store_of_this_attempt(store):
-    """torchrun's store outlives a restart (MAX_RESTARTS) with the last attempt's keys, which would
-    hang the group: a prefix per attempt. The old ProcessGroupNCCL's failure signal lies beneath
-    every prefix, where it would make the next attempt dump and abort: deleted first. launch.sh's
-    elastic job gets a new store each round: there, the store as it is."""
+    """torchrun's store outlives a restart (MAX_RESTARTS) with its keys, which would hang the group:
+    a prefix per attempt. The old ProcessGroupNCCL's failure signal beneath every prefix would make
+    the next attempt dump and abort: deleted. launch.sh's elastic job has a new store each round."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return store
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
@@ -444,9 +435,8 @@ def collective_failed(error, args):
 
 
 def check_same_start(checkpoint):
-    """Every rank must resume from the same place in training (nodes with disks of their own may
-    hold different checkpoints), or the ranks run different numbers of steps and hang. The
-    weights need no check: DDP's constructor broadcasts rank 0's. Gathers."""
+    """Every rank must resume from one place (nodes' own disks may hold different checkpoints), or
+    they run different numbers of steps and hang; DDP broadcasts rank 0's weights. Gathers."""
     start = "a fresh start"
     if checkpoint is not None:
         start = (f"epoch {checkpoint['epoch']} step {checkpoint['step']}, "
@@ -471,10 +461,9 @@ def check_finite_loss(loss, run, args):
 
 # ------------------------------------------------------------------------- stopping together
 class StopAgreement:
-    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before
-    every optimizer step, and after each validation but the last, the ranks agree, so that one
-    rank's SIGTERM, or an image it cannot read, stops all at the same point: an all-reduce of
-    three flags on the CPU backend, which never waits for the GPU."""
+    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler notes it; before every
+    optimizer step, and after each validation but the last, an all-reduce of three flags on the
+    CPU (no wait for the GPU) stops all ranks at one point for one's SIGTERM or unreadable image."""
 
     def __init__(self):
         self.requested = False  # set by the handler, which Python runs in the main thread
@@ -510,12 +499,10 @@ class StopAgreement:
         return self.stopped
 
     def leave_as_the_elastic_agent_expects(self, args):
-        """After the group's end, in an elastic job (NNODES=MIN:MAX): a rank that another rank's
-        SIGTERM stopped waits up to ELASTIC_WAIT s for its own, which torchrun's agent sends when a
-        node joins, to restart at the larger size. If none comes, a node left (a spot notice):
-        exit 1, for the agent to restart without it. An exit 0 would end the job (the agent checks
-        for success before it looks for waiting nodes: api.py, _invoke_run). If the node that
-        hosts the rendezvous left, the job ends, saved: exit 0."""
+        """Elastic jobs (NNODES=MIN:MAX), after the group's end: a rank another's SIGTERM stopped
+        waits ELASTIC_WAIT s for its own, torchrun's agent's to restart larger as a node joins.
+        None: a node left; exit 1 to go on without it (an exit 0 ends the job before the agent seeks
+        waiting nodes: api.py, _invoke_run). The rendezvous host left: the job ends, saved."""
         if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
             return
         if self.ending:
@@ -559,9 +546,8 @@ def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
 
 # ------------------------------------------------------------------------ checkpoint writes
 class CheckpointWriter(ThreadPoolExecutor):
-    """Rank 0's checkpoint writes, on a thread while training goes on: one at a time, so that one
-    copy of the state is held in memory however slow the disk. Leaving its `with` block waits for
-    the last write, also on an error."""
+    """Rank 0's checkpoint writes on a thread as training goes on, one at a time: one copy of the
+    state in memory however slow the disk. Leaving `with` waits for the last, even on an error."""
 
     def __init__(self):
         super().__init__(1, "checkpoint writer")
@@ -619,9 +605,8 @@ def settle_momentum_buffers(optimizer):
 
 # ------------------------------------------------------------------------------------ hooks
 def powersgd_hook_for_gloo_too(state, bucket):
-    """torch's PowerSGD hook, which chains two all-reduces per bucket through callbacks. Gloo
-    matches collectives by issue order, which concurrent buckets' callbacks make differ between
-    ranks: there each bucket finishes first."""
+    """torch's PowerSGD hook (two all-reduces per bucket, chained by callbacks); on gloo, which
+    matches collectives by issue order that concurrent buckets scramble, one bucket at a time."""
     future = powerSGD_hook.powerSGD_hook(state, bucket)
     if dist.get_backend() == "gloo":  # not "cpu:gloo,cuda:nccl", whose gradients go over NCCL
         future.wait()
