@@ -63,8 +63,7 @@ def rank_error(message, code=1, at_once=False):
     without Python's clean-up, which a broken process group can block (collective_failed)."""
     say(f"error: rank {world_from_env()[0]}: {message}")
     if at_once:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        sys.stdout.flush()  # stderr is line-buffered: say's line is out
         os._exit(code)
     sys.exit(code)
 
@@ -88,10 +87,8 @@ def world_from_env():
 
 
 def stop_on_problems(problem):
-    """Gathers every rank's problem (or None). If any has one, each rank that has it says so, rank
-    0 says who if it has none, and all exit 1 together, instead of leaving the others waiting."""
-    problems = gather_utils.all_gather_object(problem)
-    failed = [rank for rank, problem in enumerate(problems) if problem]
+    """Gathers: if any rank has a problem, all exit 1 together, not leaving the others waiting."""
+    failed = [rank for rank, other in enumerate(gather_utils.all_gather_object(problem)) if other]
     if problem:
         rank_error(problem)
     if failed:
@@ -116,8 +113,7 @@ def last_checkpoint(args):
 
 # -------------------------------------------------------------------- arguments and files
 def settle_args(args, device_defaults):
-    """The arguments completed, then checked: --weights' recipe sizes (those its weights were
-    published with), else this device's defaults; validation's resize; the backend."""
+    """The arguments completed (named --weights' recipe sizes, else the device's), then checked."""
     args.image_size_given = args.image_size is not None
     weights = named_weights(args)
     args.weights_url = weights and weights.url  # where weights_file fetches named weights from
@@ -151,8 +147,7 @@ def check_args(args):
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     if args.sync_bn and not torch.cuda.is_available():
-        fail("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm runs on GPUs only; drop --sync-bn "
-             "on CPUs")
+        fail("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); drop it on CPUs")
     # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
     gpus, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     if gpus and processes > gpus:
@@ -232,7 +227,6 @@ def check_image_folder(root):
         if not any(name.endswith(torchvision.datasets.folder.IMG_EXTENSIONS) for name in files):
             fail(f"--data {root}: {root / split} holds no images; "
                  f"expected {root / split}/<class>/<image>.jpg")
-    # ImageFolder numbers the classes of each split by its own folder names.
     train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()}
                   for split in ["train", "val"])
     if train != val:
@@ -249,7 +243,6 @@ def check_classes(state, args, source):
 
 
 def num_classes(args):
-    """--num-classes, or with --data ImageFolder's classes: the folders in train/."""
     if args.data:
         return len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
     return args.num_classes
@@ -374,8 +367,7 @@ def raise_nccl_timeouts(args):
         settings += [(("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
                      (("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT"), "1")]
     for names, value in settings:  # the user's value, else ours, under the name torch reads first
-        given = [os.environ[name] for name in names if name in os.environ]
-        os.environ[names[0]] = given[0] if given else value
+        os.environ[names[0]] = next((os.environ[n] for n in names if n in os.environ), value)
 
 
 def store_of_this_attempt(store):
@@ -396,7 +388,6 @@ def init_failure(error, args, world_size):
     if isinstance(error, ValueError):  # MASTER_ADDR or MASTER_PORT unset or not a number
         return (f"{first_line(error)}; expected MASTER_ADDR and a MASTER_PORT number from the "
                 "launcher (under srun, export both: docs/launching.md)")
-    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     text = str(error)
     duplicate = [line.strip() for line in text.splitlines() if "Duplicate GPU" in line]
     if duplicate:  # NCCL: two processes that see one GPU, e.g. SLURM tasks without GPU binding
@@ -404,12 +395,11 @@ def init_failure(error, args, world_size):
                 "(srun --gpus-per-task=1, or one launch.sh per node)")
     reason = first_line(text)
     if "gloo" in text.lower():
-        reason += ("; gloo finds its network interface from the hostname and ignores "
-                   "NCCL_SOCKET_IFNAME: set GLOO_SOCKET_IFNAME to the interface the nodes reach "
-                   "each other on")
+        reason += ("; gloo takes its interface from the hostname, ignoring NCCL_SOCKET_IFNAME: "
+                   "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
     return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "
-            f"expected WORLD_SIZE={world_size} ranks at {address}, and not all came or could "
-            f"connect ({reason})")
+            f"expected WORLD_SIZE={world_size} ranks at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']}, and not all came or could connect ({reason})")
 
 
 def set_collective_timeout(seconds):
@@ -439,8 +429,7 @@ def check_same_start(checkpoint):
     they run different numbers of steps and hang; DDP broadcasts rank 0's weights. Gathers."""
     start = "a fresh start"
     if checkpoint is not None:
-        start = (f"epoch {checkpoint['epoch']} step {checkpoint['step']}, "
-                 f"samples {checkpoint['samples']}")
+        start = "epoch {epoch} step {step}, samples {samples}".format_map(checkpoint)
     ranks_by_start = {}
     for rank, other in enumerate(gather_utils.all_gather_object(start)):
         ranks_by_start.setdefault(other, []).append(str(rank))

@@ -156,7 +156,7 @@ CHECK_ARGS_FAILURES = {
                                       "expected --batch-size 2 or more, a larger --image-size or another --arch",
     "--metrics-file .": "--metrics-file .: a directory; expected a file to append to",
     "--backend nccl": "--backend nccl needs CUDA GPUs and none is visible",
-    "--sync-bn": "--sync-bn needs CUDA GPUs: torch's SyncBatchNorm runs on GPUs only; drop --sync-bn on CPUs",
+    "--sync-bn": "--sync-bn needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); drop it on CPUs",
     "--evaluate": "--evaluate needs --resume PATH or --weights",
     "--resume a.pt --weights DEFAULT": "--resume and --weights: a resume continues",
     "--weights IMAGENET1K_V3": "--weights IMAGENET1K_V3: no such file, nor weights of --arch "
