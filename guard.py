@@ -156,8 +156,7 @@ def check_args(args):
     if args.evaluate and not (args.resume or args.weights):
         fail("--evaluate needs --resume PATH or --weights: the model to validate")
     if args.resume and args.weights:
-        fail("--resume and --weights: a resume continues from its checkpoint's weights; "
-             "expected one of them")
+        fail("--resume or --weights, not both: a resume continues from its checkpoint's weights")
     if args.comm_hook == "powersgd" and args.amp == "fp16":
         fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would "
              "leave inf in PowerSGD's error feedback and skip every later step; use --amp bf16")
@@ -235,8 +234,7 @@ def check_image_folder(root):
 
 
 def check_classes(state, args, source):
-    """A checkpoint's model must fit this run's, its classes too, or every rank's load_state_dict
-    fails with a traceback (the regnets, which meta_model cannot build, do)."""
+    """A checkpoint must fit this run's model and classes: one line, not a traceback per rank."""
     model = meta_model(args)
     if model is not None:
         fit(state, model, args, source, new_allowed=False)
@@ -264,18 +262,17 @@ def named_weights(args):
 def weights_file(args):
     """--weights' file: its path, or the hub cache's copy of the weights it names, downloaded if
     absent (by ranks at once too: torch.hub's download_url_to_file renames a file of its own)."""
-    url = args.weights_url
-    if not url:
+    if not args.weights_url:
         return Path(args.weights)
-    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(args.weights_url)
     if not path.is_file():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(url, str(path), progress=False)
+            torch.hub.download_url_to_file(args.weights_url, str(path), progress=False)
         except Exception as e:
-            fail(f"--weights {args.weights}: could not download {url} ({type(e).__name__}: {e}); "
-                 f"without a network, place that file at {path}, or pass --weights PATH to a "
-                 "state dict")
+            fail(f"--weights {args.weights}: could not download {args.weights_url} "
+                 f"({type(e).__name__}: {e}); without a network, place that file at {path}, or "
+                 "pass --weights PATH to a state dict")
     return path
 
 
@@ -388,13 +385,12 @@ def init_failure(error, args, world_size):
     if isinstance(error, ValueError):  # MASTER_ADDR or MASTER_PORT unset or not a number
         return (f"{first_line(error)}; expected MASTER_ADDR and a MASTER_PORT number from the "
                 "launcher (under srun, export both: docs/launching.md)")
-    text = str(error)
-    duplicate = [line.strip() for line in text.splitlines() if "Duplicate GPU" in line]
+    duplicate = [line.strip() for line in str(error).splitlines() if "Duplicate GPU" in line]
     if duplicate:  # NCCL: two processes that see one GPU, e.g. SLURM tasks without GPU binding
         return (f"two ranks share one GPU ({duplicate[0]}); give each process a GPU of its own "
                 "(srun --gpus-per-task=1, or one launch.sh per node)")
-    reason = first_line(text)
-    if "gloo" in text.lower():
+    reason = first_line(error)
+    if "gloo" in str(error).lower():
         reason += ("; gloo takes its interface from the hostname, ignoring NCCL_SOCKET_IFNAME: "
                    "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
     return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "

@@ -158,7 +158,7 @@ CHECK_ARGS_FAILURES = {
     "--backend nccl": "--backend nccl needs CUDA GPUs and none is visible",
     "--sync-bn": "--sync-bn needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); drop it on CPUs",
     "--evaluate": "--evaluate needs --resume PATH or --weights",
-    "--resume a.pt --weights DEFAULT": "--resume and --weights: a resume continues",
+    "--resume a.pt --weights DEFAULT": "--resume or --weights, not both: a resume continues",
     "--weights IMAGENET1K_V3": "--weights IMAGENET1K_V3: no such file, nor weights of --arch "
                                "resnet50; expected a file or one of IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT",
     "--weights ResNet18_Weights.DEFAULT": "nor weights of --arch resnet50",
