@@ -19,16 +19,13 @@ import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader
-from torch.torch_version import TorchVersion
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
 import gather_utils
 
 BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
-# How long a rank that another's SIGTERM stopped waits for its own: torchrun's agent polls its
-# workers and the nodes waiting to join every 0.1 s (every 5 s on torch 2.3).
-ELASTIC_WAIT = 10
+ELASTIC_WAIT = 10  # torchrun's agent polls workers and joining nodes every 0.1 s (5 s on torch 2.3)
 # What the old ProcessGroupNCCL writes when it fails, beneath every prefix of torchrun's store
 # (ProcessGroupNCCL.hpp: kStoreDumpKey; timeout_dump on torch 2.3). ProcessGroupNCCL2 writes none.
 NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
@@ -41,7 +38,7 @@ GLOO_FAILURES = ("gloo/transport", "Application timeout caused pair closure")
 # The flight recorder's dump path, under each name torch reads: the first one set wins
 # (c10d/Utils.hpp, getCvarString). Torch before 2.11 reads the older name alone.
 TRACE_FILE_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-if TorchVersion(torch.__version__) < (2, 11):
+if torch.__version__ < (2, 11):
     TRACE_FILE_NAMES = TRACE_FILE_NAMES[::-1]
 
 
@@ -353,14 +350,12 @@ def raise_nccl_timeouts(args):
     and aborts NCCL, for collective_failed()'s line: TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not
     torchrun's 1, which kills without a line. The user's values win, under any name torch reads."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    # torchrun sets the new name to 1 where it is unset: a 1 there gives way to the legacy name.
-    handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if handling == "1":
-        handling = os.environ.get("NCCL_ASYNC_ERROR_HANDLING", "1")
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2" if handling == "1" else handling
+    # torchrun sets the new name to 1 where it is unset: the first value other than 1 wins, else 2.
+    new, legacy = "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"
+    os.environ[new] = next((os.environ[n] for n in (new, legacy) if os.getenv(n, "1") != "1"), "2")
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
     settings = [(TRACE_FILE_NAMES, trace)]  # from torch 2.11 it records and dumps by default
-    if TorchVersion(torch.__version__) < (2, 11):
+    if torch.__version__ < (2, 11):
         settings += [(("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
                      (("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT"), "1")]
     for names, value in settings:  # the user's value, else ours, under the name torch reads first
@@ -459,8 +454,7 @@ class StopAgreement:
 
     def note(self, signum, frame):
         self.requested = True
-        # A second SIGTERM (SLURM and launch.sh may send several) cannot kill it as it exits.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM cannot kill it as it exits
 
     def send(self, problem=None):
         """Start this rank's flags on their way: a SIGTERM noted so far, a `problem`, and whether
