@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.optim.swa_utils import update_bn
-from torch.utils.data import DataLoader
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
@@ -223,8 +222,7 @@ def check_image_folder(root):
         if not any(name.endswith(torchvision.datasets.folder.IMG_EXTENSIONS) for name in files):
             fail(f"--data {root}: {root / split} holds no images; "
                  f"expected {root / split}/<class>/<image>.jpg")
-    train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()}
-                  for split in ["train", "val"])
+    train, val = [{d.name for d in (root / s).iterdir() if d.is_dir()} for s in ["train", "val"]]
     if train != val:
         fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels "
              f"differ (only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
@@ -243,7 +241,6 @@ def num_classes(args):
     return args.num_classes
 
 
-# ------------------------------------------------------------------------------ --weights
 def named_weights(args):
     """The torchvision weights --weights names (DEFAULT, ResNet50_Weights.DEFAULT), or None."""
     if not args.weights or Path(args.weights).is_file():
@@ -457,8 +454,7 @@ class StopAgreement:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM cannot kill it as it exits
 
     def send(self, problem=None):
-        """Start this rank's flags on their way: a SIGTERM noted so far, a `problem`, and whether
-        its SIGTERM ends an elastic job (launch.sh's RDZV_HOST=1: no job without its rendezvous)."""
+        """Start this rank's flags on their way: its SIGTERM so far, a `problem`, and `ending`."""
         self.problem = problem
         self.flags[0].fill_(self.requested)
         self.flags[1].fill_(problem is not None)
@@ -478,10 +474,9 @@ class StopAgreement:
         return self.stopped
 
     def leave_as_the_elastic_agent_expects(self, args):
-        """Elastic jobs (NNODES=MIN:MAX), after the group's end: a rank another's SIGTERM stopped
-        waits ELASTIC_WAIT s for its own, torchrun's agent's to restart larger as a node joins.
-        None: a node left; exit 1 to go on without it (an exit 0 ends the job before the agent seeks
-        waiting nodes: api.py, _invoke_run). The rendezvous host left: the job ends, saved."""
+        """In an elastic job (NNODES=MIN:MAX), a rank another's SIGTERM stopped waits ELASTIC_WAIT s
+        for its own, which torchrun's agent sends to restart larger; none: a node left, exit 1 (exit
+        0 ends the job: api.py, _invoke_run). The rendezvous host left: the job ends, saved."""
         if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
             return
         if self.ending:
@@ -502,16 +497,16 @@ class StopAgreement:
             sys.exit(1)
 
 
-# ------------------------------------------------------------------------------ batch norm
+# ------------------------------------------------- batch norm, checkpoint writes, PowerSGD
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
     """Precise batch norm: statistics for the weights as they are, from each rank's share of
     BN_IMAGES, averaged over ranks, so that every rank validates, and saves, one model."""
     per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
     images = max(1, per_rank // args.batch_size) * args.batch_size
-    loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
-                        sampler=list(sampler)[:images], num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(args.seed))
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
+                                         sampler=list(sampler)[:images], num_workers=args.workers,
+                                         generator=torch.Generator().manual_seed(args.seed))
     # All read first: with --sync-bn each forward is a collective, which every rank must reach.
     batches, problem = read_or_problem(lambda: list(loader))
     stop_on_problems(problem)
@@ -523,7 +518,6 @@ def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
                 dist.all_reduce(stats.div_(dist.get_world_size()))
 
 
-# ------------------------------------------------------------------------ checkpoint writes
 class CheckpointWriter(ThreadPoolExecutor):
     """Rank 0's checkpoint writes on a thread as training goes on, one at a time: one copy of the
     state in memory however slow the disk. Leaving `with` waits for the last, even on an error."""
@@ -582,7 +576,6 @@ def settle_momentum_buffers(optimizer):
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
-# ------------------------------------------------------------------------------------ hooks
 def powersgd_hook_for_gloo_too(state, bucket):
     """torch's PowerSGD hook (two all-reduces per bucket, chained by callbacks); on gloo, which
     matches collectives by issue order that concurrent buckets scramble, one bucket at a time."""

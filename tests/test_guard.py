@@ -234,7 +234,6 @@ def test_num_classes_counts_the_train_folders(tmp_path):
     assert guard.num_classes(train_ddp.parse_args(["--arch", "resnet18", "--num-classes", "7"])) == 7
 
 
-# ------------------------------------------------------------------------------ --weights
 def test_weights_for_takes_every_layer_but_a_classifier_of_another_size(tmp_path):
     torch.manual_seed(0)
     theirs = torchvision.models.resnet18(num_classes=1000).state_dict()
