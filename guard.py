@@ -55,12 +55,11 @@ def fail(message, code=2):
 
 
 def rank_error(message, code=1, at_once=False):
-    """An error of this rank's own, which the others may not see: each rank says it. at_once: exit
-    without Python's clean-up, which a broken process group can block (collective_failed)."""
+    """An error of this rank's own, which the others may not see: each rank says it."""
     say(f"error: rank {world_from_env()[0]}: {message}")
     if at_once:
         sys.stdout.flush()  # stderr is line-buffered: say's line is out
-        os._exit(code)
+        os._exit(code)  # no clean-up, which a broken process group can block (collective_failed)
     sys.exit(code)
 
 
@@ -94,7 +93,6 @@ def stop_on_problems(problem):
 
 
 def load_file(path, flag, what):
-    """What torch.save wrote at `path`, on the CPU, tensors and plain values only; else one line."""
     if not Path(path).is_file():
         fail(f"{flag} {path}: no such file; expected a {what}")
     try:
@@ -281,8 +279,7 @@ def weights_for(model, args):
 
 
 def fit(state, model, args, source, new_allowed):
-    """`state` completed for `model`, and the layers left new: every key must be there, of the same
-    shape, but a classifier's, which may be for another number of classes if `new_allowed`."""
+    """`state` completed for `model`, and the layers left new (a classifier for other classes)."""
     own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
     # num_batches_tracked: weights saved before torch 0.4.1 lack it.
     missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}
@@ -322,12 +319,11 @@ def read_image(path):
 
 
 def read_or_problem(read):
-    """(read(), None), or (None, the line) if it met an image it cannot read (also in a DataLoader
-    worker, whose error's text ends with the original's)."""
+    """(read(), None), or (None, the line) if it met an image it cannot read, also in a worker."""
     try:
         return read(), None
     except UnreadableImage as e:
-        path = str(e).rsplit("UnreadableImage: ", 1)[-1].strip()
+        path = str(e).rsplit("UnreadableImage: ", 1)[-1].strip()  # a worker's text ends with ours
         return None, f"cannot read {path}; remove or replace that file"
 
 
@@ -373,7 +369,6 @@ def store_of_this_attempt(store):
 
 
 def init_failure(error, args, world_size):
-    """Why the process group did not form, in one line that says what to change."""
     if isinstance(error, ValueError):  # MASTER_ADDR or MASTER_PORT unset or not a number
         return (f"{first_line(error)}; expected MASTER_ADDR and a MASTER_PORT number from the "
                 "launcher (under srun, export both: docs/launching.md)")
@@ -500,8 +495,7 @@ class StopAgreement:
 # ------------------------------------------------- batch norm, checkpoint writes, PowerSGD
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
-    """Precise batch norm: statistics for the weights as they are, from each rank's share of
-    BN_IMAGES, averaged over ranks, so that every rank validates, and saves, one model."""
+    """Precise batch norm: these weights' statistics, averaged: every rank validates one model."""
     per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
     images = max(1, per_rank // args.batch_size) * args.batch_size
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
@@ -519,27 +513,24 @@ def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
 
 
 class CheckpointWriter(ThreadPoolExecutor):
-    """Rank 0's checkpoint writes on a thread as training goes on, one at a time: one copy of the
-    state in memory however slow the disk. Leaving `with` waits for the last, even on an error."""
+    """Rank 0's checkpoint writes on a thread as training goes on; leaving `with` waits for them."""
 
     def __init__(self):
         super().__init__(1, "checkpoint writer")
         self.written = None  # the latest write
 
     def write(self, state, path):
-        """A copy of `state` in host memory, now; written to `path` atomically, later."""
         if self.written:
-            self.written.result()
+            self.written.result()  # one at a time: one copy of the state, however slow the disk
         self.written = self.submit(write_atomically, on_host(state), path)
 
 
 def on_host(value):
-    """A host copy of the tensors in nested dicts and lists, which training goes on changing. A
-    state dict keeps its _metadata: the module versions that load_state_dict passes on."""
+    """A host copy of the tensors in nested dicts and lists, which training goes on changing."""
     if isinstance(value, dict):
         copy = type(value)((key, on_host(item)) for key, item in value.items())
         if hasattr(value, "_metadata"):
-            copy._metadata = value._metadata
+            copy._metadata = value._metadata  # the module versions load_state_dict passes on
         return copy
     if isinstance(value, list):
         return [on_host(item) for item in value]
@@ -547,8 +538,7 @@ def on_host(value):
 
 
 def write_atomically(state, path):
-    """To last.pt.tmp, fsynced, then renamed over last.pt: a kill at any moment leaves the old
-    file or the new one. A write that fails (a full disk) ends the process, with one line."""
+    """Via last.pt.tmp, fsynced and renamed: a kill at any moment leaves the old file or the new."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
