@@ -313,9 +313,7 @@ def read_image(path):
             image = v2.functional.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
         except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... when damaged
             raise UnreadableImage(f"{path} ({type(e).__name__}: {str(e).strip()})") from None
-    if image.dtype != torch.uint8:
-        image = v2.functional.to_dtype(image, torch.uint8, scale=True)
-    return image
+    return v2.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit ones scaled, uint8 kept
 
 
 def read_or_problem(read):
