@@ -1,8 +1,6 @@
-"""The checks and safety nets of train_ddp.py, which a reader of its story can skip: argument and
-file checks, one-line failures, the ranks' agreement to stop, NCCL's settings, batch norm's
-recalibration, and the atomic checkpoint writer. What gathers or reduces says so: every rank must
-call it.
-"""
+"""train_ddp.py's checks and safety nets, which a reader of its story can skip: one-line failures,
+the ranks' agreement to stop, NCCL's settings, batch norm's recalibration, the checkpoint writer.
+What gathers or reduces says so: every rank must call it."""
 import datetime
 import math
 import os
@@ -20,17 +18,13 @@ import torch.distributed as dist
 import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.optim.swa_utils import update_bn
-from torch.utils.data import DataLoader
-from torch.torch_version import TorchVersion
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
 import gather_utils
 
 BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
-# How long a rank that another's SIGTERM stopped waits for its own: torchrun's agent polls its
-# workers and the nodes waiting to join every 0.1 s (every 5 s on torch 2.3).
-ELASTIC_WAIT = 10
+ELASTIC_WAIT = 10  # torchrun's agent polls workers and joining nodes every 0.1 s (5 s on torch 2.3)
 # What the old ProcessGroupNCCL writes when it fails, beneath every prefix of torchrun's store
 # (ProcessGroupNCCL.hpp: kStoreDumpKey; timeout_dump on torch 2.3). ProcessGroupNCCL2 writes none.
 NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
@@ -43,7 +37,7 @@ GLOO_FAILURES = ("gloo/transport", "Application timeout caused pair closure")
 # The flight recorder's dump path, under each name torch reads: the first one set wins
 # (c10d/Utils.hpp, getCvarString). Torch before 2.11 reads the older name alone.
 TRACE_FILE_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-if TorchVersion(torch.__version__) < (2, 11):
+if torch.__version__ < (2, 11):
     TRACE_FILE_NAMES = TRACE_FILE_NAMES[::-1]
 
 
@@ -61,13 +55,11 @@ def fail(message, code=2):
 
 
 def rank_error(message, code=1, at_once=False):
-    """An error of this rank's own, which the others may not see: each rank says it. at_once: exit
-    without Python's clean-up, which a broken process group can block (collective_failed)."""
+    """An error of this rank's own, which the others may not see: each rank says it."""
     say(f"error: rank {world_from_env()[0]}: {message}")
     if at_once:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        sys.stdout.flush()  # stderr is line-buffered: say's line is out
+        os._exit(code)  # no clean-up, which a broken process group can block (collective_failed)
     sys.exit(code)
 
 
@@ -81,8 +73,7 @@ def env_local_rank():
 
 
 def world_from_env():
-    """Global rank and world size: torchrun's, else an srun task's (only they have SLURM_STEP_ID),
-    else one process."""
+    """Rank, world size: torchrun's, else srun's (only a task has SLURM_STEP_ID), else 0, 1."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if "SLURM_STEP_ID" in os.environ:
@@ -91,10 +82,8 @@ def world_from_env():
 
 
 def stop_on_problems(problem):
-    """Gathers every rank's problem (or None). If any has one, each rank that has it says so, rank
-    0 says who if it has none, and all exit 1 together, instead of leaving the others waiting."""
-    problems = gather_utils.all_gather_object(problem)
-    failed = [rank for rank, problem in enumerate(problems) if problem]
+    """Gathers: if any rank has a problem, all exit 1 together, not leaving the others waiting."""
+    failed = [rank for rank, other in enumerate(gather_utils.all_gather_object(problem)) if other]
     if problem:
         rank_error(problem)
     if failed:
@@ -104,7 +93,6 @@ def stop_on_problems(problem):
 
 
 def load_file(path, flag, what):
-    """What torch.save wrote at `path`, on the CPU, tensors and plain values only; else one line."""
     if not Path(path).is_file():
         fail(f"{flag} {path}: no such file; expected a {what}")
     try:
@@ -119,8 +107,7 @@ def last_checkpoint(args):
 
 # -------------------------------------------------------------------- arguments and files
 def settle_args(args, device_defaults):
-    """The arguments completed, then checked: --weights' recipe sizes (those its weights were
-    published with), else this device's defaults; validation's resize; the backend."""
+    """The arguments completed (named --weights' recipe sizes, else the device's), then checked."""
     args.image_size_given = args.image_size is not None
     weights = named_weights(args)
     args.weights_url = weights and weights.url  # where weights_file fetches named weights from
@@ -141,26 +128,20 @@ def settle_args(args, device_defaults):
 
 def check_args(args):
     """Reject bad input before any process group exists, so that nothing can hang on it."""
-    for name in ["epochs", "batch_size", "accum_steps", "train_samples", "val_samples",
-                 "image_size", "log_every"]:
+    least = dict(epochs=1, batch_size=1, accum_steps=1, train_samples=1, val_samples=1,
+                 image_size=1, log_every=1, save_every=1, num_classes=2, workers=0)
+    for name, lowest in least.items():
         value = getattr(args, name)
-        if value < 1:
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.save_every is not None and args.save_every < 1:
-        fail(f"--save-every must be a positive number of optimizer steps, got {args.save_every}")
-    if args.num_classes < 2:
-        fail(f"--num-classes must be at least 2, got {args.num_classes}")
-    if args.workers < 0:
-        fail(f"--workers must be 0 or more, got {args.workers}")
-    for flag, seconds in [("--init-timeout", args.init_timeout),
-                          ("--collective-timeout", args.collective_timeout)]:
+        if value is not None and value < lowest:  # None: --save-every not given
+            fail(f"--{name.replace('_', '-')} must be {lowest} or more, got {value}")
+    for name in ["init_timeout", "collective_timeout"]:
+        seconds = getattr(args, name)
         if seconds <= 0:
-            fail(f"{flag} must be a positive number of seconds, got {seconds}")
+            fail(f"--{name.replace('_', '-')} must be more than 0 seconds, got {seconds:g}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo (or auto)")
     if args.sync_bn and not torch.cuda.is_available():
-        fail("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm runs on GPUs only; drop --sync-bn "
-             "on CPUs")
+        fail("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); drop it on CPUs")
     # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
     gpus, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     if gpus and processes > gpus:
@@ -169,8 +150,7 @@ def check_args(args):
     if args.evaluate and not (args.resume or args.weights):
         fail("--evaluate needs --resume PATH or --weights: the model to validate")
     if args.resume and args.weights:
-        fail("--resume and --weights: a resume continues from its checkpoint's weights; "
-             "expected one of them")
+        fail("--resume or --weights, not both: a resume continues from its checkpoint's weights")
     if args.comm_hook == "powersgd" and args.amp == "fp16":
         fail("--comm-hook powersgd cannot run with --amp fp16: one overflowed fp16 step would "
              "leave inf in PowerSGD's error feedback and skip every later step; use --amp bf16")
@@ -197,8 +177,7 @@ def check_args(args):
 
 
 def meta_model(args):
-    """This run's model on the meta device (shapes, no memory), or None for the regnets, which
-    compute while they build."""
+    """This run's model on the meta device, or None for the regnets, which compute as they build."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # googlenet and inception_v3 warn about their init
         try:
@@ -208,8 +187,7 @@ def meta_model(args):
 
 
 def check_arch_trains(model, args):
-    """A forward of meta_model's `model`: one that cannot train at this image size and batch, or
-    returns more than logits, fails."""
+    """Fail where `model` cannot train at this image size and batch, or returns more than logits."""
     hint, batch = "a larger --image-size or another --arch", 2
     # Batch norm needs 2 values per channel; --sync-bn's come from every rank, which a dry run
     # (launch.sh's) cannot count: there each rank checks again.
@@ -242,30 +220,25 @@ def check_image_folder(root):
         if not any(name.endswith(torchvision.datasets.folder.IMG_EXTENSIONS) for name in files):
             fail(f"--data {root}: {root / split} holds no images; "
                  f"expected {root / split}/<class>/<image>.jpg")
-    # ImageFolder numbers the classes of each split by its own folder names.
-    train, val = ({d.name for d in (root / split).iterdir() if d.is_dir()}
-                  for split in ["train", "val"])
+    train, val = [{d.name for d in (root / s).iterdir() if d.is_dir()} for s in ["train", "val"]]
     if train != val:
         fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels "
              f"differ (only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
 
 
 def check_classes(state, args, source):
-    """A checkpoint's model must fit this run's, its classes too, or every rank's load_state_dict
-    fails with a traceback (the regnets, which meta_model cannot build, do)."""
+    """A checkpoint must fit this run's model and classes: one line, not a traceback per rank."""
     model = meta_model(args)
     if model is not None:
         fit(state, model, args, source, new_allowed=False)
 
 
 def num_classes(args):
-    """--num-classes, or with --data ImageFolder's classes: the folders in train/."""
     if args.data:
         return len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
     return args.num_classes
 
 
-# ------------------------------------------------------------------------------ --weights
 def named_weights(args):
     """The torchvision weights --weights names (DEFAULT, ResNet50_Weights.DEFAULT), or None."""
     if not args.weights or Path(args.weights).is_file():
@@ -279,21 +252,19 @@ def named_weights(args):
 
 
 def weights_file(args):
-    """--weights' file: the path given, or torch's hub cache's copy of the weights it names,
-    downloaded if absent. Ranks that download at once are safe: each writes a temporary file of its
-    own and renames it (torch.hub's download_url_to_file)."""
-    url = args.weights_url
-    if not url:
+    """--weights' file: its path, or the hub cache's copy of the weights it names, downloaded if
+    absent (by ranks at once too: torch.hub's download_url_to_file renames a file of its own)."""
+    if not args.weights_url:
         return Path(args.weights)
-    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(args.weights_url)
     if not path.is_file():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(url, str(path), progress=False)
+            torch.hub.download_url_to_file(args.weights_url, str(path), progress=False)
         except Exception as e:
-            fail(f"--weights {args.weights}: could not download {url} ({type(e).__name__}: {e}); "
-                 f"without a network, place that file at {path}, or pass --weights PATH to a "
-                 "state dict")
+            fail(f"--weights {args.weights}: could not download {args.weights_url} "
+                 f"({type(e).__name__}: {e}); without a network, place that file at {path}, or "
+                 "pass --weights PATH to a state dict")
     return path
 
 
@@ -308,8 +279,7 @@ def weights_for(model, args):
 
 
 def fit(state, model, args, source, new_allowed):
-    """`state` completed for `model`, and the layers left new: every key must be there, of the same
-    shape, but a classifier's, which may be for another number of classes if `new_allowed`."""
+    """`state` completed for `model`, and the layers left new (a classifier for other classes)."""
     own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
     # num_batches_tracked: weights saved before torch 0.4.1 lack it.
     missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}
@@ -335,8 +305,7 @@ class UnreadableImage(Exception):
 
 
 def read_image(path):
-    """A file as RGB uint8: torchvision.io's decoders for the formats they read, a third of PIL's
-    time for JPEG; PIL for the others (BMP, TIFF, ...)."""
+    """A file as RGB uint8: torchvision.io decodes (JPEG in a third of PIL's time), else PIL."""
     try:
         image = decode_image(read_file(path), mode=ImageReadMode.RGB)
     except RuntimeError:  # not a format torchvision.io reads, or a damaged file: PIL tells which
@@ -344,18 +313,15 @@ def read_image(path):
             image = v2.functional.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
         except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... when damaged
             raise UnreadableImage(f"{path} ({type(e).__name__}: {str(e).strip()})") from None
-    if image.dtype != torch.uint8:
-        image = v2.functional.to_dtype(image, torch.uint8, scale=True)
-    return image
+    return v2.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit ones scaled, uint8 kept
 
 
 def read_or_problem(read):
-    """(read(), None), or (None, the line) if it met an image it cannot read (also in a DataLoader
-    worker, whose error's text ends with the original's)."""
+    """(read(), None), or (None, the line) if it met an image it cannot read, also in a worker."""
     try:
         return read(), None
     except UnreadableImage as e:
-        path = str(e).rsplit("UnreadableImage: ", 1)[-1].strip()
+        path = str(e).rsplit("UnreadableImage: ", 1)[-1].strip()  # a worker's text ends with ours
         return None, f"cannot read {path}; remove or replace that file"
 
 
@@ -371,31 +337,26 @@ def gpu_index(local_rank):
 
 
 def raise_nccl_timeouts(args):
-    """A collective past --collective-timeout dumps each rank's flight recorder beside the
-    checkpoints and aborts NCCL, so that the next collective raises for collective_failed()'s line:
-    TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not torchrun's 1, which kills without a line. The user's
-    values win, under any of the names torch reads."""
+    """A collective past --collective-timeout dumps each rank's flight recorder by the checkpoints
+    and aborts NCCL, for collective_failed()'s line: TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not
+    torchrun's 1, which kills without a line. The user's values win, under any name torch reads."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    # torchrun sets the new name to 1 where it is unset: a 1 there gives way to the legacy name.
-    handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if handling == "1":
-        handling = os.environ.get("NCCL_ASYNC_ERROR_HANDLING", "1")
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2" if handling == "1" else handling
+    # torchrun sets the new name to 1 where it is unset: the first value other than 1 wins, else 2.
+    new, legacy = "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"
+    os.environ[new] = next((os.environ[n] for n in (new, legacy) if os.getenv(n, "1") != "1"), "2")
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
     settings = [(TRACE_FILE_NAMES, trace)]  # from torch 2.11 it records and dumps by default
-    if TorchVersion(torch.__version__) < (2, 11):
+    if torch.__version__ < (2, 11):
         settings += [(("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
                      (("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT"), "1")]
     for names, value in settings:  # the user's value, else ours, under the name torch reads first
-        given = [os.environ[name] for name in names if name in os.environ]
-        os.environ[names[0]] = given[0] if given else value
+        os.environ[names[0]] = next((os.environ[n] for n in names if n in os.environ), value)
 
 
 def store_of_this_attempt(store):
-    """torchrun's store outlives a restart (MAX_RESTARTS) with the last attempt's keys, which would
-    hang the group: a prefix per attempt. The old ProcessGroupNCCL's failure signal lies beneath
-    every prefix, where it would make the next attempt dump and abort: deleted first. launch.sh's
-    elastic job gets a new store each round: there, the store as it is."""
+    """torchrun's store outlives a restart (MAX_RESTARTS) with its keys, which would hang the group:
+    a prefix per attempt. The old ProcessGroupNCCL's failure signal beneath every prefix would make
+    the next attempt dump and abort: deleted. launch.sh's elastic job has a new store each round."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return store
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
@@ -406,24 +367,20 @@ def store_of_this_attempt(store):
 
 
 def init_failure(error, args, world_size):
-    """Why the process group did not form, in one line that says what to change."""
     if isinstance(error, ValueError):  # MASTER_ADDR or MASTER_PORT unset or not a number
         return (f"{first_line(error)}; expected MASTER_ADDR and a MASTER_PORT number from the "
                 "launcher (under srun, export both: docs/launching.md)")
-    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    text = str(error)
-    duplicate = [line.strip() for line in text.splitlines() if "Duplicate GPU" in line]
+    duplicate = [line.strip() for line in str(error).splitlines() if "Duplicate GPU" in line]
     if duplicate:  # NCCL: two processes that see one GPU, e.g. SLURM tasks without GPU binding
         return (f"two ranks share one GPU ({duplicate[0]}); give each process a GPU of its own "
                 "(srun --gpus-per-task=1, or one launch.sh per node)")
-    reason = first_line(text)
-    if "gloo" in text.lower():
-        reason += ("; gloo finds its network interface from the hostname and ignores "
-                   "NCCL_SOCKET_IFNAME: set GLOO_SOCKET_IFNAME to the interface the nodes reach "
-                   "each other on")
+    reason = first_line(error)
+    if "gloo" in str(error).lower():
+        reason += ("; gloo takes its interface from the hostname, ignoring NCCL_SOCKET_IFNAME: "
+                   "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
     return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "
-            f"expected WORLD_SIZE={world_size} ranks at {address}, and not all came or could "
-            f"connect ({reason})")
+            f"expected WORLD_SIZE={world_size} ranks at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']}, and not all came or could connect ({reason})")
 
 
 def set_collective_timeout(seconds):
@@ -449,13 +406,11 @@ def collective_failed(error, args):
 
 
 def check_same_start(checkpoint):
-    """Every rank must resume from the same place in training (nodes with disks of their own may
-    hold different checkpoints), or the ranks run different numbers of steps and hang. The
-    weights need no check: DDP's constructor broadcasts rank 0's. Gathers."""
+    """Every rank must resume from one place (nodes' own disks may hold different checkpoints), or
+    they run different numbers of steps and hang; DDP broadcasts rank 0's weights. Gathers."""
     start = "a fresh start"
     if checkpoint is not None:
-        start = (f"epoch {checkpoint['epoch']} step {checkpoint['step']}, "
-                 f"samples {checkpoint['samples']}")
+        start = "epoch {epoch} step {step}, samples {samples}".format_map(checkpoint)
     ranks_by_start = {}
     for rank, other in enumerate(gather_utils.all_gather_object(start)):
         ranks_by_start.setdefault(other, []).append(str(rank))
@@ -476,10 +431,9 @@ def check_finite_loss(loss, run, args):
 
 # ------------------------------------------------------------------------- stopping together
 class StopAgreement:
-    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler only notes it; before
-    every optimizer step, and after each validation but the last, the ranks agree, so that one
-    rank's SIGTERM, or an image it cannot read, stops all at the same point: an all-reduce of
-    three flags on the CPU backend, which never waits for the GPU."""
+    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler notes it; before every
+    optimizer step, and after each validation but the last, an all-reduce of three flags on the
+    CPU (no wait for the GPU) stops all ranks at one point for one's SIGTERM or unreadable image."""
 
     def __init__(self):
         self.requested = False  # set by the handler, which Python runs in the main thread
@@ -490,12 +444,10 @@ class StopAgreement:
 
     def note(self, signum, frame):
         self.requested = True
-        # A second SIGTERM (SLURM and launch.sh may send several) cannot kill it as it exits.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM cannot kill it as it exits
 
     def send(self, problem=None):
-        """Start this rank's flags on their way: a SIGTERM noted so far, a `problem`, and whether
-        its SIGTERM ends an elastic job (launch.sh's RDZV_HOST=1: no job without its rendezvous)."""
+        """Start this rank's flags on their way: its SIGTERM so far, a `problem`, and `ending`."""
         self.problem = problem
         self.flags[0].fill_(self.requested)
         self.flags[1].fill_(problem is not None)
@@ -515,12 +467,9 @@ class StopAgreement:
         return self.stopped
 
     def leave_as_the_elastic_agent_expects(self, args):
-        """After the group's end, in an elastic job (NNODES=MIN:MAX): a rank that another rank's
-        SIGTERM stopped waits up to ELASTIC_WAIT s for its own, which torchrun's agent sends when a
-        node joins, to restart at the larger size. If none comes, a node left (a spot notice):
-        exit 1, for the agent to restart without it. An exit 0 would end the job (the agent checks
-        for success before it looks for waiting nodes: api.py, _invoke_run). If the node that
-        hosts the rendezvous left, the job ends, saved: exit 0."""
+        """In an elastic job (NNODES=MIN:MAX), a rank another's SIGTERM stopped waits ELASTIC_WAIT s
+        for its own, which torchrun's agent sends to restart larger; none: a node left, exit 1 (exit
+        0 ends the job: api.py, _invoke_run). The rendezvous host left: the job ends, saved."""
         if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
             return
         if self.ending:
@@ -541,16 +490,15 @@ class StopAgreement:
             sys.exit(1)
 
 
-# ------------------------------------------------------------------------------ batch norm
+# ------------------------------------------------- batch norm, checkpoint writes, PowerSGD
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
-    """Precise batch norm: statistics for the weights as they are, from each rank's share of
-    BN_IMAGES, averaged over ranks, so that every rank validates, and saves, one model."""
+    """Precise batch norm: these weights' statistics, averaged: every rank validates one model."""
     per_rank = min(BN_IMAGES // dist.get_world_size(), len(sampler))  # len: the shard's
     images = max(1, per_rank // args.batch_size) * args.batch_size
-    loader = DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
-                        sampler=list(sampler)[:images], num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(args.seed))
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
+                                         sampler=list(sampler)[:images], num_workers=args.workers,
+                                         generator=torch.Generator().manual_seed(args.seed))
     # All read first: with --sync-bn each forward is a collective, which every rank must reach.
     batches, problem = read_or_problem(lambda: list(loader))
     stop_on_problems(problem)
@@ -562,30 +510,25 @@ def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
                 dist.all_reduce(stats.div_(dist.get_world_size()))
 
 
-# ------------------------------------------------------------------------ checkpoint writes
 class CheckpointWriter(ThreadPoolExecutor):
-    """Rank 0's checkpoint writes, on a thread while training goes on: one at a time, so that one
-    copy of the state is held in memory however slow the disk. Leaving its `with` block waits for
-    the last write, also on an error."""
+    """Rank 0's checkpoint writes on a thread as training goes on; leaving `with` waits for them."""
 
     def __init__(self):
         super().__init__(1, "checkpoint writer")
         self.written = None  # the latest write
 
     def write(self, state, path):
-        """A copy of `state` in host memory, now; written to `path` atomically, later."""
         if self.written:
-            self.written.result()
+            self.written.result()  # one at a time: one copy of the state, however slow the disk
         self.written = self.submit(write_atomically, on_host(state), path)
 
 
 def on_host(value):
-    """A host copy of the tensors in nested dicts and lists, which training goes on changing. A
-    state dict keeps its _metadata: the module versions that load_state_dict passes on."""
+    """A host copy of the tensors in nested dicts and lists, which training goes on changing."""
     if isinstance(value, dict):
         copy = type(value)((key, on_host(item)) for key, item in value.items())
         if hasattr(value, "_metadata"):
-            copy._metadata = value._metadata
+            copy._metadata = value._metadata  # the module versions load_state_dict passes on
         return copy
     if isinstance(value, list):
         return [on_host(item) for item in value]
@@ -593,8 +536,7 @@ def on_host(value):
 
 
 def write_atomically(state, path):
-    """To last.pt.tmp, fsynced, then renamed over last.pt: a kill at any moment leaves the old
-    file or the new one. A write that fails (a full disk) ends the process, with one line."""
+    """Via last.pt.tmp, fsynced and renamed: a kill at any moment leaves the old file or the new."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -622,11 +564,9 @@ def settle_momentum_buffers(optimizer):
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
-# ------------------------------------------------------------------------------------ hooks
 def powersgd_hook_for_gloo_too(state, bucket):
-    """torch's PowerSGD hook, which chains two all-reduces per bucket through callbacks. Gloo
-    matches collectives by issue order, which concurrent buckets' callbacks make differ between
-    ranks: there each bucket finishes first."""
+    """torch's PowerSGD hook (two all-reduces per bucket, chained by callbacks); on gloo, which
+    matches collectives by issue order that concurrent buckets scramble, one bucket at a time."""
     future = powerSGD_hook.powerSGD_hook(state, bucket)
     if dist.get_backend() == "gloo":  # not "cpu:gloo,cuda:nccl", whose gradients go over NCCL
         future.wait()

@@ -413,8 +413,8 @@ BAD_INPUTS = {
     "arch with auxiliary outputs": (["2", "--arch", "googlenet"],
                                     "--arch googlenet returns GoogLeNetOutputs, not logits"),
     "unknown comm hook": (["2", "--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
-    "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
-    "save every 0": (["2", "--save-every", "0"], "--save-every must be a positive number of optimizer steps, got 0"),
+    "batch size 0": (["2", "--batch-size", "0"], "--batch-size must be 1 or more, got 0"),
+    "save every 0": (["2", "--save-every", "0"], "--save-every must be 1 or more, got 0"),
     "checkpoint dir under a file": (["2", "--checkpoint-dir", "{root}/a_file/ck"],
                                     "--checkpoint-dir: cannot write under {root}/a_file; "
                                     "expected a writable directory"),
@@ -504,7 +504,7 @@ def test_launch_sh_finds_train_ddp_py_under_an_exported_cdpath():
     result = run(["bash", f"{root.name}/launch.sh", "1", "--epochs", "0"], timeout=30, cwd=root.parent,
                  env=clean_env(CDPATH=root.parent))
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "train_ddp.py: error: --epochs must be a positive integer, got 0"], result.stderr
+        "train_ddp.py: error: --epochs must be 1 or more, got 0"], result.stderr
 
 
 def test_master_addr_that_does_not_resolve_fails_fast_with_one_line():

@@ -140,25 +140,25 @@ def test_settle_args_takes_named_weights_recipe_sizes_unless_given(tmp_path, mon
 
 
 CHECK_ARGS_FAILURES = {
-    "--epochs 0": "--epochs must be a positive integer, got 0",
-    "--accum-steps -1": "--accum-steps must be a positive integer, got -1",
-    "--train-samples 0": "--train-samples must be a positive integer, got 0",
-    "--val-samples 0": "--val-samples must be a positive integer, got 0",
-    "--image-size 0": "--image-size must be a positive integer, got 0",
-    "--log-every 0": "--log-every must be a positive integer, got 0",
-    "--num-classes 1": "--num-classes must be at least 2, got 1",
+    "--epochs 0": "--epochs must be 1 or more, got 0",
+    "--accum-steps -1": "--accum-steps must be 1 or more, got -1",
+    "--train-samples 0": "--train-samples must be 1 or more, got 0",
+    "--val-samples 0": "--val-samples must be 1 or more, got 0",
+    "--image-size 0": "--image-size must be 1 or more, got 0",
+    "--log-every 0": "--log-every must be 1 or more, got 0",
+    "--num-classes 1": "--num-classes must be 2 or more, got 1",
     "--workers -1": "--workers must be 0 or more, got -1",
-    "--init-timeout 0": "--init-timeout must be a positive number of seconds, got 0",
-    "--collective-timeout -1": "--collective-timeout must be a positive number of seconds, got -1",
+    "--init-timeout 0": "--init-timeout must be more than 0 seconds, got 0",
+    "--collective-timeout -1": "--collective-timeout must be more than 0 seconds, got -1",
     "--arch inception_v3 --image-size 32": "--arch inception_v3 cannot train on 32 px images",
     "--arch resnet18 --batch-size 1": "--arch resnet18 cannot train on 32 px images (ValueError: Expected more than 1 "
                                       "value per channel when training, got input size torch.Size([1, 512, 1, 1])); "
                                       "expected --batch-size 2 or more, a larger --image-size or another --arch",
     "--metrics-file .": "--metrics-file .: a directory; expected a file to append to",
     "--backend nccl": "--backend nccl needs CUDA GPUs and none is visible",
-    "--sync-bn": "--sync-bn needs CUDA GPUs: torch's SyncBatchNorm runs on GPUs only; drop --sync-bn on CPUs",
+    "--sync-bn": "--sync-bn needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); drop it on CPUs",
     "--evaluate": "--evaluate needs --resume PATH or --weights",
-    "--resume a.pt --weights DEFAULT": "--resume and --weights: a resume continues",
+    "--resume a.pt --weights DEFAULT": "--resume or --weights, not both: a resume continues",
     "--weights IMAGENET1K_V3": "--weights IMAGENET1K_V3: no such file, nor weights of --arch "
                                "resnet50; expected a file or one of IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT",
     "--weights ResNet18_Weights.DEFAULT": "nor weights of --arch resnet50",
@@ -234,7 +234,6 @@ def test_num_classes_counts_the_train_folders(tmp_path):
     assert guard.num_classes(train_ddp.parse_args(["--arch", "resnet18", "--num-classes", "7"])) == 7
 
 
-# ------------------------------------------------------------------------------ --weights
 def test_weights_for_takes_every_layer_but_a_classifier_of_another_size(tmp_path):
     torch.manual_seed(0)
     theirs = torchvision.models.resnet18(num_classes=1000).state_dict()
