@@ -341,9 +341,11 @@ def raise_nccl_timeouts(args):
     and aborts NCCL, for collective_failed()'s line: TORCH_NCCL_ASYNC_ERROR_HANDLING 2, not
     torchrun's 1, which kills without a line. The user's values win, under any name torch reads."""
     Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    # torchrun sets the new name to 1 where it is unset: the first value other than 1 wins, else 2.
-    new, legacy = "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"
-    os.environ[new] = next((os.environ[n] for n in (new, legacy) if os.getenv(n, "1") != "1"), "2")
+    # torchrun sets the new name to 1 where it is unset: a 1 there gives way to the legacy name.
+    handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if handling == "1":
+        handling = os.environ.get("NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2" if handling == "1" else handling
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
     settings = [(TRACE_FILE_NAMES, trace)]  # from torch 2.11 it records and dumps by default
     if torch.__version__ < (2, 11):
