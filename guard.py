@@ -23,6 +23,8 @@ from torchvision.transforms import v2
 
 import gather_utils
 
+CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
+                   "rng"}
 BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
 ELASTIC_WAIT = 10  # torchrun's agent polls workers and joining nodes every 0.1 s (5 s on torch 2.3)
 # What the old ProcessGroupNCCL writes when it fails, beneath every prefix of torchrun's store
@@ -226,11 +228,18 @@ def check_image_folder(root):
              f"differ (only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
 
 
-def check_classes(state, args, source):
-    """A checkpoint must fit this run's model and classes: one line, not a traceback per rank."""
+def check_checkpoint(checkpoint, path, args):
+    """A train_ddp.py checkpoint for this run's model and classes: one line, not a traceback per
+    rank (the regnets, which meta_model cannot build, are not checked)."""
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
+             f"{', '.join(sorted(CHECKPOINT_KEYS))})")
+    if checkpoint["args"]["arch"] != args.arch:
+        fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
+             f"{args.arch}")
     model = meta_model(args)
     if model is not None:
-        fit(state, model, args, source, new_allowed=False)
+        fit(checkpoint["model"], model, args, f"--resume {path}", new_allowed=False)
 
 
 def num_classes(args):

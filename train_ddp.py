@@ -52,8 +52,6 @@ SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # torchvision's weights'
 SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-resized crops of 8%
 COMPILE_TIMEOUT = 1800  # what collectives wait for the ranks' compilation: see wrap_ddp
-CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
-                   "rng"}
 
 
 def main(argv=None):
@@ -341,7 +339,7 @@ def fit(run, train_set, val_set, args, to_input, stop):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Workers seeded by a generator of their own, not from the RNG that a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
-        # This rank's indices of the epoch, as a list: all of them, or a resume's rest (whole steps).
+        # This rank's indices of the epoch as a list: all of them, or a resume's rest (whole steps).
         shard, run.step = rest_of_epoch(sampler, run)
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
@@ -662,13 +660,7 @@ def load_checkpoint(args):
         checkpoint = guard.load_file(path, "--resume", "checkpoint")
     if checkpoint is None:
         return None, None
-    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
-        guard.fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
-                   f"{', '.join(sorted(CHECKPOINT_KEYS))})")
-    if checkpoint["args"]["arch"] != args.arch:
-        guard.fail(f"--resume {path} holds a {checkpoint['args']['arch']} model but --arch is "
-                   f"{args.arch}")
-    guard.check_classes(checkpoint["model"], args, f"--resume {path}")
+    guard.check_checkpoint(checkpoint, path, args)  # this script's, for this model and classes
     if not args.image_size_given:
         for name in ["image_size", "resize", "interpolation"]:
             setattr(args, name, checkpoint["args"][name])

@@ -19,6 +19,7 @@ import torch
 import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
+import guard
 import train_ddp
 from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
     free_port, kill_pids, kill_tree, load, metrics, noise_image, ok, proc_file, run, torchrun, write_images
@@ -355,7 +356,7 @@ def test_a_save_slower_than_torchruns_grace_is_never_half_written(tmp_path):
     assert "forcefully exiting via 9" in stderr(job), stderr(job)[-3000:]  # the grace ran out
     assert (tmp_path / "last.pt.tmp").exists()  # a write was cut short
     saved = load(tmp_path / "last.pt")  # whole: it loads, and its weights fit the model
-    assert train_ddp.CHECKPOINT_KEYS <= saved.keys() and saved["step"] >= 1
+    assert guard.CHECKPOINT_KEYS <= saved.keys() and saved["step"] >= 1
     torchvision.models.wide_resnet101_2(num_classes=10).load_state_dict(saved["model"])
 
 
@@ -391,7 +392,7 @@ def bad_inputs(tmp_path_factory):
         (root / "classes_differ" / split / label / "x.png").write_bytes(b"")  # only names are checked
     (root / "corrupt.pt").write_bytes(b"this is not a checkpoint" * 100)
     (root / "a_file").write_text("")
-    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "args": {"arch": "resnet18"}}, root / "resnet18.pt")
+    torch.save({**dict.fromkeys(guard.CHECKPOINT_KEYS), "args": {"arch": "resnet18"}}, root / "resnet18.pt")
     return root
 
 

@@ -81,7 +81,7 @@ def test_load_checkpoint_reads_the_jobs_last_pt_once(tmp_path):
     last = tmp_path / "last.pt"
     args = {"arch": "resnet18", "batch_size": 8, "accum_steps": 1, "image_size": 32}
     model = torchvision.models.resnet18(num_classes=10).state_dict()
-    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "model": model, "args": args, "run_id": "job-7"}, last)
+    torch.save({**dict.fromkeys(guard.CHECKPOINT_KEYS), "model": model, "args": args, "run_id": "job-7"}, last)
     code = f"""if True:
         import types, torch, train_ddp
         real_load, reads = torch.load, []
@@ -103,7 +103,7 @@ def test_load_checkpoint_refuses_a_model_for_other_classes_with_one_line(tmp_pat
     path = tmp_path / "last.pt"
     model = torchvision.models.resnet18(num_classes=10).state_dict()
     args = {"arch": "resnet18", "batch_size": 8, "accum_steps": 1, "image_size": 32}
-    torch.save({**dict.fromkeys(train_ddp.CHECKPOINT_KEYS), "model": model, "args": args}, path)
+    torch.save({**dict.fromkeys(guard.CHECKPOINT_KEYS), "model": model, "args": args}, path)
     argv = ["--arch", "resnet18", "--resume", str(path), "--image-size", "32"]
     assert train_ddp.load_checkpoint(train_ddp.parse_args(argv))[0] == path
     with pytest.raises(SystemExit) as exit:
