@@ -112,7 +112,7 @@ def settle_args(args, device_defaults):
     """The arguments completed (named --weights' recipe sizes, else the device's), then checked."""
     args.image_size_given = args.image_size is not None
     weights = named_weights(args)
-    args.weights_url = weights and weights.url  # where weights_file fetches named weights from
+    args.weights_url = weights and weights.url  # where weights_for fetches named weights from
     if weights and args.image_size is None:
         recipe = weights.transforms()
         args.image_size, args.resize = recipe.crop_size[0], recipe.resize_size[0]
@@ -229,8 +229,7 @@ def check_image_folder(root):
 
 
 def check_checkpoint(checkpoint, path, args):
-    """A train_ddp.py checkpoint for this run's model and classes: one line, not a traceback per
-    rank (the regnets, which meta_model cannot build, are not checked)."""
+    """A train_ddp.py checkpoint for this model and classes (the regnets' are not checked)."""
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
         fail(f"--resume {path}: not a train_ddp.py checkpoint (expected the keys "
              f"{', '.join(sorted(CHECKPOINT_KEYS))})")
@@ -260,13 +259,13 @@ def named_weights(args):
     return kinds[name]
 
 
-def weights_file(args):
-    """--weights' file: its path, or the hub cache's copy of the weights it names, downloaded if
-    absent (by ranks at once too: torch.hub's download_url_to_file renames a file of its own)."""
-    if not args.weights_url:
-        return Path(args.weights)
-    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(args.weights_url)
-    if not path.is_file():
+def weights_for(model, args):
+    """--weights' state dict for `model`, and the layers left new (see fit). Named weights come
+    from the hub cache, downloaded if absent: safe on ranks at once (torch.hub renames its file)."""
+    path = Path(args.weights)
+    if args.weights_url:
+        path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(args.weights_url)
+    if args.weights_url and not path.is_file():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.hub.download_url_to_file(args.weights_url, str(path), progress=False)
@@ -274,12 +273,7 @@ def weights_file(args):
             fail(f"--weights {args.weights}: could not download {args.weights_url} "
                  f"({type(e).__name__}: {e}); without a network, place that file at {path}, or "
                  "pass --weights PATH to a state dict")
-    return path
-
-
-def weights_for(model, args):
-    """--weights' state dict for `model`, and the layers left new (see fit)."""
-    state = load_file(weights_file(args), "--weights", "state dict")  # a bad file: one line
+    state = load_file(path, "--weights", "state dict")  # a bad file: one line
     if isinstance(state, dict) and "model" in state:  # a last.pt
         state = state["model"]
     if args.evaluate:  # it would validate a classifier made at random
@@ -390,8 +384,8 @@ def init_failure(error, args, world_size):
         reason += ("; gloo takes its interface from the hostname, ignoring NCCL_SOCKET_IFNAME: "
                    "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on")
     return (f"the process group did not form within --init-timeout {args.init_timeout:g} s: "
-            f"expected WORLD_SIZE={world_size} ranks at {os.environ['MASTER_ADDR']}:"
-            f"{os.environ['MASTER_PORT']}, and not all came or could connect ({reason})")
+            f"expected WORLD_SIZE={world_size} ranks at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')}, and not all came or could connect ({reason})")
 
 
 def set_collective_timeout(seconds):
@@ -562,10 +556,10 @@ def write_atomically(state, path):
 
 
 def settle_momentum_buffers(optimizer):
-    """Momentum buffers in their parameters' memory layout, as fused kernels need, and zeros where
-    a group with momentum has none (at the start; in a checkpoint of --momentum 0, or of parameters
-    without gradients): fused SGD would make them with empty_like, kept when an overflowed first
-    step is skipped, or raise on a partial list (sgd.py, _fused_sgd). Zeros step as no buffer."""
+    """Momentum buffers in their parameters' layout, as fused kernels need, and zeros where a group
+    with momentum has none (from --momentum 0, or parameters without gradients): fused SGD would
+    raise on a partial list, or make them with empty_like, kept if an overflowed first step is
+    skipped (sgd.py, _fused_sgd)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             buffer = optimizer.state[p].get("momentum_buffer")

@@ -304,7 +304,7 @@ def test_weights_for_reads_named_weights_from_the_hub_cache_and_names_a_bad_file
     assert code == 2 and err.startswith(f"train_ddp.py: error: --weights {cached}: not a readable state dict ("), err
 
 
-def test_weights_file_says_how_to_work_offline_when_a_download_fails(tmp_path, monkeypatch, capsys):
+def test_weights_for_says_how_to_work_offline_when_a_download_fails(tmp_path, monkeypatch, capsys):
     # A proxy where nothing listens: the download fails at once, as without a network.
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{free_port()}")
