@@ -140,9 +140,8 @@ def process_group(args, device):
         gc.collect()
         # Every rank reaches the end on each backend of the group (on GPUs, NCCL's barrier and
         # gloo's all-reduce) before any destroys it: one that destroys it early can hang another.
-        finished = [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]
-        for work in finished:
-            work.wait()
+        dist.barrier()
+        dist.all_reduce(torch.zeros(1))
     except RuntimeError as e:  # a rank gone (gloo's connections closed or timed out, NCCL's error)
         guard.collective_failed(e, args)  # one line per rank; any other error goes on up
     finally:
@@ -150,30 +149,26 @@ def process_group(args, device):
 
 
 def init_distributed(args, device):
+    """The ranks meet within --init-timeout (rendezvous and connections), or each says why."""
     rank, world_size = guard.world_from_env()
     # On GPUs one group, two backends: NCCL for CUDA tensors, gloo for the small CPU ones.
     backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else args.backend
     bind = {"device_id": device} if device.type == "cuda" else {}  # NCCL's communicator, at once
-    if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: a store in memory
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
-    else:
-        join_process_group(args, backend, rank, world_size, bind)
-    guard.set_collective_timeout(args.collective_timeout)
-
-
-def join_process_group(args, backend, rank, world_size, bind):
-    """The ranks meet at MASTER_ADDR:MASTER_PORT within --init-timeout (the rendezvous and gloo's
-    connections); one line from each rank if they do not."""
     timeout = datetime.timedelta(seconds=args.init_timeout)
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-        store = guard.store_of_this_attempt(store)
+        # The launcher's store, as init_method="env://" would make it, but one per restart attempt.
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:  # no launcher: one in memory
+            store = dist.HashStore()
+        else:
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+            store = guard.store_of_this_attempt(store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout, **bind)
         dist.barrier()
         gather_utils.all_gather_object(None)  # on GPUs gloo's first collective: its problems now
     except (RuntimeError, ValueError) as e:
         guard.rank_error(guard.init_failure(e, args, world_size))
+    guard.set_collective_timeout(args.collective_timeout)
 
 
 # --------------------------------------------------------------- 4. to 7., in the process group
@@ -262,8 +257,7 @@ def steps_per_epoch(train_set, global_batch, args):
 
 # ------------------------------------------------------------------------ 5. model, DDP, hooks
 def build_model(args, checkpoint):
-    """The bare model on the CPU, the same on every rank (from the checkpoint, --weights or --seed),
-    and the layers --weights left new (a classifier for other classes)."""
+    """The model on the CPU, the same on every rank, and the layers --weights left new."""
     torch.manual_seed(args.seed)
     model = torchvision.models.get_model(args.arch, num_classes=guard.num_classes(args))
     if checkpoint:
@@ -316,9 +310,8 @@ def build_optimizer(model, args):
 # -------------------------------------------------------------------------- 6. train, validate
 @dataclass
 class Training:
-    """What the loop carries from step to step; a checkpoint saves its state. Training stands in
-    epoch `epoch` (0-based), after the first `samples` images of its order (over all ranks, at any
-    world size and batch), which is after `step` optimizer steps at this world size and batch."""
+    """What the loop carries; a checkpoint saves it. Training stands in epoch `epoch` (0-based),
+    after the first `samples` images of its order (over all ranks), `step` steps at this layout."""
     model: DDP
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # disabled unless --amp fp16
@@ -367,10 +360,9 @@ def fit(run, train_set, val_set, args, to_input, stop):
 
 
 def rest_of_epoch(sampler, run):
-    """This rank's indices for the rest of the epoch, in whole steps, as many on every rank, and
-    the step they start after. DistributedSampler deals the epoch's one order out in turn (rank r:
-    entries r, r + world, ...), so the run.samples trained before, at any world size and batch,
-    are its first ones: each rank skips its share (docs/checkpoints.md)."""
+    """This rank's indices for the rest of the epoch in whole steps, and the step they start after.
+    DistributedSampler deals the epoch's order out in turn (rank r: entries r, r + world, ...), so
+    the run.samples trained before, at any layout, are its first: each rank skips its share."""
     world, rank = sampler.num_replicas, sampler.rank
     per_rank_step = run.images_per_step // world
     skip = math.ceil((run.samples - rank) / world)  # this rank's entries before run.samples
@@ -452,9 +444,8 @@ def next_step(batches, args, stop):
 
 
 def learning_rate(run, args):
-    """The next step's: a linear warm-up over --warmup-epochs, then a cosine decay to 0 at
-    --epochs. Placed by the images trained, not the steps: a resume at another world size or
-    batch goes on along the same curve."""
+    """The next step's: a linear warm-up, then a cosine decay to 0, placed by the images trained,
+    not the steps, so that a resume at another world size or batch goes on along the same curve."""
     epochs_done = run.epoch + run.samples / (run.steps_per_epoch * run.images_per_step)
     if epochs_done < args.warmup_epochs:  # the first step at 1 / warm-up steps of --lr, none above
         return args.lr * min(1, (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs)
@@ -583,9 +574,8 @@ def synced_clock(device):
 
 
 class StepClock:
-    """Images/s and the share of time spent waiting for data, since the last log line and over the
-    epoch. It waits for the device at log lines only; the time waited for data is the host's (a
-    GPU busy with queued steps is not idle)."""
+    """Images/s and the share of time waiting for data, per log line and epoch. It waits for the
+    device at log lines only; the data wait is the host's (a GPU with queued steps is not idle)."""
 
     def __init__(self, step, device, images_per_step):
         self.device, self.images_per_step, self.first_step = device, images_per_step, step
@@ -616,8 +606,7 @@ class StepClock:
 
 
 def append_metrics(args, record):
-    """One JSON line; a figure of no step (an epoch resumed with less than a step left) is null:
-    JSON has no NaN."""
+    """One JSON line; a figure of no step (a resume with less than a step left) is null, not NaN."""
     if dist.get_rank() == 0 and args.metrics_file:
         record = {key: None if isinstance(value, float) and math.isnan(value) else value
                   for key, value in record.items()}
@@ -628,8 +617,7 @@ def append_metrics(args, record):
 
 # ----------------------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
-    """Rank 0 hands the training state, with each rank's random streams, to its writer thread,
-    which writes last.pt while training goes on."""
+    """Rank 0's writer thread writes last.pt, with each rank's random streams, as training runs."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
     if dist.get_rank() == 0:
@@ -641,9 +629,8 @@ def save_checkpoint(run, args):
 
 
 def load_checkpoint(args):
-    """(path, checkpoint) to resume from, read once, on every rank: this job's own last.pt (after a
-    restart, or on a node that joins), else --resume; (None, None) for a fresh start. A resume
-    without --image-size goes on at the sizes its run started with."""
+    """(path, checkpoint), read once on every rank: this job's last.pt (after a restart, or on a
+    node that joins), else --resume, else (None, None). Without --image-size, its sizes go on."""
     path, checkpoint = guard.last_checkpoint(args), None
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
