@@ -1,6 +1,7 @@
-"""train_ddp.py's checks and safety nets, which a reader of its story can skip: one-line failures,
-the ranks' agreement to stop, NCCL's settings, batch norm's recalibration, the checkpoint writer.
-What gathers or reduces says so: every rank must call it."""
+"""train_ddp.py's checks and safety nets, which a reader of its story can skip, in this order:
+one-line failures; argument, file and --weights checks; the image reader; the device and process
+group (NCCL's settings, failures); the ranks' agreement to stop; batch norm's recalibration, the
+checkpoint writer, PowerSGD on gloo. What gathers or reduces says so: every rank must call it."""
 import datetime
 import math
 import os
@@ -30,11 +31,9 @@ ELASTIC_WAIT = 10  # torchrun's agent polls workers and joining nodes every 0.1 
 # What the old ProcessGroupNCCL writes when it fails, beneath every prefix of torchrun's store
 # (ProcessGroupNCCL.hpp: kStoreDumpKey; timeout_dump on torch 2.3). ProcessGroupNCCL2 writes none.
 NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
-# How ProcessGroupNCCL2 (torch 2.15) fails the next collective once a rank is gone: a RuntimeError
-# with these first words (nccl2/ProcessGroupNCCLUtils.cpp, checkAndAbortIfTimedOutOrError).
+# ProcessGroupNCCL2's (torch 2.15) first words once a rank is gone (ProcessGroupNCCLUtils.cpp)
 NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communicator was aborted")
-# gloo's errors name their transport's file, but for what a timed-out receive tells every other
-# operation of the group (gloo/transport/tcp/unbound_buffer.cc), which DDP's backward may see first.
+# gloo's errors name their transport's file, but a receive's timeout, as DDP's backward sees it
 GLOO_FAILURES = ("gloo/transport", "Application timeout caused pair closure")
 # The flight recorder's dump path, under each name torch reads: the first one set wins
 # (c10d/Utils.hpp, getCvarString). Torch before 2.11 reads the older name alone.
@@ -43,7 +42,6 @@ if torch.__version__ < (2, 11):
     TRACE_FILE_NAMES = TRACE_FILE_NAMES[::-1]
 
 
-# ------------------------------------------------------------------------- one-line failures
 def say(line):
     """A line on stderr in one write, which other ranks' lines cannot split."""
     sys.stderr.write(f"train_ddp.py: {line}\n")
@@ -107,7 +105,6 @@ def last_checkpoint(args):
     return Path(args.checkpoint_dir) / "last.pt"
 
 
-# -------------------------------------------------------------------- arguments and files
 def settle_args(args, device_defaults):
     """The arguments completed (named --weights' recipe sizes, else the device's), then checked."""
     args.image_size_given = args.image_size is not None
@@ -302,7 +299,6 @@ def fit(state, model, args, source, new_allowed):
     return {**state, **{key: own[key] for key in new}}, new_layers
 
 
-# --------------------------------------------------------------------------------- images
 class UnreadableImage(Exception):
     """A file of --data that no decoder can read: damaged, truncated, or not an image."""
 
@@ -328,7 +324,6 @@ def read_or_problem(read):
         return None, f"cannot read {path}; remove or replace that file"
 
 
-# ----------------------------------------------------------------- the device, the process group
 def gpu_index(local_rank):
     """The GPU this process takes: its local rank's, or the only one it sees (an srun task's)."""
     if torch.cuda.device_count() == 1:
@@ -434,7 +429,6 @@ def check_finite_loss(loss, run, args):
              "unchanged", code=1)
 
 
-# ------------------------------------------------------------------------- stopping together
 class StopAgreement:
     """SLURM and Kubernetes send SIGTERM before they kill a job. The handler notes it; before every
     optimizer step, and after each validation but the last, an all-reduce of three flags on the
@@ -453,10 +447,8 @@ class StopAgreement:
 
     def send(self, problem=None):
         """Start this rank's flags on their way: its SIGTERM so far, a `problem`, and `ending`."""
-        self.problem = problem
-        self.flags[0].fill_(self.requested)
-        self.flags[1].fill_(problem is not None)
-        self.flags[2].fill_(self.requested and os.environ.get("RDZV_HOST") == "1")
+        self.problem, ending = problem, self.requested and os.environ.get("RDZV_HOST") == "1"
+        self.flags.copy_(torch.tensor([self.requested, problem is not None, ending]))
         self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed(self):
@@ -495,7 +487,6 @@ class StopAgreement:
             sys.exit(1)
 
 
-# ------------------------------------------------- batch norm, checkpoint writes, PowerSGD
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
     """Precise batch norm: these weights' statistics, averaged: every rank validates one model."""

@@ -567,12 +567,6 @@ def log_resume(path, checkpoint, args, run):
     log(f"resumed from {path} at epoch {run.epoch + 1} step {checkpoint['step']}{settings}")
 
 
-def synced_clock(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # kernels run asynchronously: time what they did, not the queue
-    return time.perf_counter()
-
-
 class StepClock:
     """Images/s and the share of time waiting for data, per log line and epoch. It waits for the
     device at log lines only; the data wait is the host's (a GPU with queued steps is not idle)."""
@@ -580,8 +574,13 @@ class StepClock:
     def __init__(self, step, device, images_per_step):
         self.device, self.images_per_step, self.first_step = device, images_per_step, step
         # (step, time, data waited) at the start, the first log line and the last one
-        self.marks = [(step, synced_clock(device), 0.0)]
+        self.marks = [(step, self.now(), 0.0)]
         self.waited = 0.0
+
+    def now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # kernels run asynchronously: time what they did
+        return time.perf_counter()
 
     @contextmanager
     def waiting(self):
@@ -591,7 +590,7 @@ class StepClock:
 
     def line(self, step):
         """(images/s, the share of time waiting for data) since the line before; marks this one."""
-        (line_step, began, waited), now = self.marks[-1], synced_clock(self.device)
+        (line_step, began, waited), now = self.marks[-1], self.now()
         self.marks = [*self.marks[:2], (step, now, self.waited)]
         return ((step - line_step) * self.images_per_step / (now - began),
                 (self.waited - waited) / (now - began))
