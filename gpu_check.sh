@@ -142,7 +142,7 @@ if ((rehearse)); then
     # with 4 the steps ran into their own limits.
     export OMP_NUM_THREADS=1
 fi
-names=() results=() seconds=() notes=() backends=()
+names=() results=() seconds=() notes=() backends=() deadline_skipped=0
 running= current= current_began= finished=false failed=0 incomplete=0
 
 # The pid of the step in flight, and every process under it (torchrun starts its workers in sessions of their own).
@@ -244,9 +244,15 @@ step() {
     local starting=$(($(starts "$1") * START_SECONDS))
     shift 2
     wanted "$name" || return 0
+    if ((deadline_skipped)); then  # the plan's order is its priority: no cheaper step jumps the queue
+        echo "== $name: skipped, after a step the deadline skipped"
+        record "$name" skipped 0 "deadline"
+        return
+    fi
     if ((left < starting)); then
         echo "== $name: skipped, ${left} s left before the deadline, ${starting} s to start its processes"
         record "$name" skipped 0 "deadline"
+        deadline_skipped=1
         return
     fi
     ((limit > left)) && limit=$left cut=true
