@@ -64,7 +64,7 @@ def rank_error(message, code=1, at_once=False):
 
 
 def first_line(error):
-    return str(error).strip().splitlines()[0]
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def env_local_rank():
@@ -447,8 +447,10 @@ class StopAgreement:
 
     def send(self, problem=None):
         """Start this rank's flags on their way: its SIGTERM so far, a `problem`, and `ending`."""
-        self.problem, ending = problem, self.requested and os.environ.get("RDZV_HOST") == "1"
-        self.flags.copy_(torch.tensor([self.requested, problem is not None, ending]))
+        self.problem = problem
+        self.flags[0].fill_(self.requested)
+        self.flags[1].fill_(problem is not None)
+        self.flags[2].fill_(self.requested and os.environ.get("RDZV_HOST") == "1")
         self.sent = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed(self):

@@ -138,8 +138,7 @@ def process_group(args, device):
         # A compiled model leaves reference cycles that hold the group past its end: freed at
         # Python's exit instead, the group's threads would abort it (docs/troubleshooting.md).
         gc.collect()
-        # Every rank reaches the end on each backend of the group (on GPUs, NCCL's barrier and
-        # gloo's all-reduce) before any destroys it: one that destroys it early can hang another.
+        # Every rank reaches the end on each backend (NCCL, gloo): a group destroyed early can hang.
         dist.barrier()
         dist.all_reduce(torch.zeros(1))
     except RuntimeError as e:  # a rank gone (gloo's connections closed or timed out, NCCL's error)
@@ -573,8 +572,7 @@ class StepClock:
 
     def __init__(self, step, device, images_per_step):
         self.device, self.images_per_step, self.first_step = device, images_per_step, step
-        # (step, time, data waited) at the start, the first log line and the last one
-        self.marks = [(step, self.now(), 0.0)]
+        self.marks = [(step, self.now(), 0.0)]  # (step, time, data waited): start, 1st line, last
         self.waited = 0.0
 
     def now(self):
