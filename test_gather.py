@@ -608,6 +608,12 @@ def full(n, value, device):
     return torch.full((n,), float(value), device=device)
 
 
+def header_room(world):
+    """The bytes of data that ride in each rank's header, by docs/gather.md's rule:
+    min(8 KiB, 64 KiB / world), rounded down to a multiple of 16."""
+    return min(8 << 10, (64 << 10) // world) // 16 * 16
+
+
 def data_collectives(world, equal):
     """The collectives that move the data after the header: on NCCL one all-gather; on gloo one broadcast per rank
     for uneven sizes, and for equal ones on up to 4 ranks (faster there), else one all-gather. BACKEND, from this
@@ -621,8 +627,7 @@ def check_small_payloads_ride_in_the_header(device, group=None):
     """Data that fits in the header's room comes with it: one collective. One byte more: the header,
     then the data (data_collectives)."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
-    room = gu._header_room(world)
-    assert room == 8 << 10 or world > 8  # what the docstrings and docs/gather.md promise
+    room = header_room(world)
     floats = functools.partial(full, device=device)
 
     out, n = collectives_run(group, gu.all_gather_concat, floats(room // 4, rank))
@@ -657,10 +662,10 @@ def check_small_payloads_ride_in_the_header(device, group=None):
 
 
 def check_data_collectives_past_the_header_room(device, group=None):
-    """Equal and uneven sizes past the header's room, each with its collectives. A launch of 5 gloo ranks runs
-    this too: there equal sizes take gloo's all-gather, not a broadcast per rank."""
+    """Equal and uneven sizes past the header's room, each with its collectives. The launch of 9 gloo ranks runs
+    this too, also on 5 of them: there equal sizes take gloo's all-gather, not a broadcast per rank."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
-    rows = gu._header_room(world) // 4 + 1
+    rows = header_room(world) // 4 + 1
     floats = functools.partial(full, device=device)
     out, n = collectives_run(group, gu.all_gather_concat, floats(rows, rank))
     assert n == 1 + data_collectives(world, equal=True)
@@ -685,6 +690,13 @@ def check_subgroup(device, group=None):
     for check in [*plain_checks(len(members)), check_small_payloads_ride_in_the_header,
                   check_data_collectives_past_the_header_room]:
         check(device, sub)
+
+
+def check_data_collectives_on_five_ranks(device, group=None):
+    """Five ranks, the fewest past gloo's broadcast limit of 4, as a subgroup of a larger world."""
+    five = dist.new_group(list(range(5)))
+    if dist.get_rank() < 5:
+        check_data_collectives_past_the_header_room(device, five)
 
 
 def check_mixed_group_moves_tensors_over_its_gpu_backend(device, group=None):
@@ -788,7 +800,9 @@ def plain_checks(world):
 def checks_for(world):
     """Every check a process group of `world` ranks runs under torchrun."""
     mixed = [check_mixed_group_moves_tensors_over_its_gpu_backend] if BACKEND == "cpu:gloo,cuda:nccl" else []
-    return plain_checks(world) + DISTRIBUTED_CHECKS + mixed + [past_the_header_room(check) for check in WIDE_CHECKS]
+    five = [check_data_collectives_on_five_ranks] if world > 5 else []
+    wide = [past_the_header_room(check) for check in WIDE_CHECKS]
+    return plain_checks(world) + DISTRIBUTED_CHECKS + mixed + five + wide
 
 
 def run_checks(device, report=None, only=None):
@@ -977,22 +991,28 @@ def test_torchrun_default_backend_exit(launched):
     assert_exit_matches_report(launched(3, "--backend", "default", CUDA_VISIBLE_DEVICES=""))
 
 
-# Past 4 gloo ranks equal sizes take gloo's all-gather, not a broadcast per rank: 5 real ranks, few checks.
-FIVE_RANK_CHECKS = ["check_data_collectives_past_the_header_room", "check_all_gather_concat_equal_past_the_header_room",
-                    "check_all_gather_concat_uneven_past_the_header_room"]
+# More ranks than the usual launches, few checks: past 8 ranks the header room shrinks, and past
+# 4 gloo ranks equal sizes take gloo's all-gather, not a broadcast per rank (also on a subgroup
+# of 5).
+LARGE_WORLD = 9
+LARGE_WORLD_CHECKS = [
+    "check_small_payloads_ride_in_the_header", "check_data_collectives_past_the_header_room",
+    "check_data_collectives_on_five_ranks", "check_all_gather_concat_equal_past_the_header_room",
+    "check_all_gather_concat_uneven_past_the_header_room",
+]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", FIVE_RANK_CHECKS)
-def test_torchrun_gloo_cpu_five_ranks(launched, name):
-    code, output, report = launched(5, "--checks", ",".join(FIVE_RANK_CHECKS))
-    assert sorted(report) == sorted(FIVE_RANK_CHECKS), f"exit {code}\n{output}"
+@pytest.mark.parametrize("name", LARGE_WORLD_CHECKS)
+def test_torchrun_gloo_cpu_nine_ranks(launched, name):
+    code, output, report = launched(LARGE_WORLD, "--checks", ",".join(LARGE_WORLD_CHECKS))
+    assert sorted(report) == sorted(LARGE_WORLD_CHECKS), f"exit {code}\n{output}"
     assert report[name] is None, report[name]
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_gloo_cpu_five_ranks_exit(launched):
-    assert_exit_matches_report(launched(5, "--checks", ",".join(FIVE_RANK_CHECKS)))
+def test_torchrun_gloo_cpu_nine_ranks_exit(launched):
+    assert_exit_matches_report(launched(LARGE_WORLD, "--checks", ",".join(LARGE_WORLD_CHECKS)))
 
 
 @pytest.mark.quick
