@@ -614,13 +614,14 @@ def header_room(world):
     return min(8 << 10, (64 << 10) // world) // 16 * 16
 
 
-def data_collectives(world, equal):
-    """The collectives that move the data after the header: on NCCL one all-gather; on gloo one broadcast per rank
-    for uneven sizes, and for equal ones on up to 4 ranks (faster there), else one all-gather. BACKEND, from this
-    launch's own arguments, says which: the expectation must not come from the code under test."""
+def data_collectives(world, equal, senders=None):
+    """The collectives that move the data after the header: on NCCL one all-gather; on gloo one
+    broadcast per rank that has data (`senders`, default all) for uneven sizes, and for equal ones
+    on up to 4 ranks (faster there), else one all-gather. BACKEND, from this launch's own
+    arguments, says which: the expectation must not come from the code under test."""
     if BACKEND != "gloo" or (equal and world > 4):
         return 1
-    return world
+    return world if senders is None else senders
 
 
 def check_small_payloads_ride_in_the_header(device, group=None):
@@ -676,6 +677,11 @@ def check_data_collectives_past_the_header_room(device, group=None):
     out, n = collectives_run(group, gu.all_gather_concat, floats(rows + rank, rank))
     assert n == 1 + data_collectives(world, equal=world == 1)
     assert torch.equal(out, torch.cat([floats(rows + r, r) for r in range(world)]))
+    # The last rank has nothing: it sends nothing after the header (a world of one: nothing moves).
+    sizes = [rows] * (world - 1) + [0]
+    out, n = collectives_run(group, gu.all_gather_concat, floats(sizes[rank], rank))
+    assert n == 1 + (data_collectives(world, equal=False, senders=world - 1) if world > 1 else 0)
+    assert torch.equal(out, torch.cat([floats(k, r) for r, k in enumerate(sizes)]))
 
 
 def check_subgroup(device, group=None):
