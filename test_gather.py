@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 
@@ -133,6 +134,24 @@ def check_async_returns_with_the_data_in_flight(device, group=None):
     assert in_flight or rank != 0 or world == 1
     sizes = [256 << 20 if r == 1 else 4 * LARGE for r in range(world)]
     assert torch.equal(out, torch.cat([torch.full((n // 4,), float(r), device=device) for r, n in enumerate(sizes)]))
+
+
+def check_gather_handle_completes_before_wait(device, group=None, width=SMALL):
+    """is_completed() turns true once the collectives have finished, without wait(): at once where
+    no data is left to move (it came with the header, or a world of one has nothing to send)."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    handle = gu.all_gather_concat(rows_for(rank, device, width=width), group, async_op=True)
+    sizes = [rows_for(r, device, width=width).numel() * 4 for r in range(world)]
+    in_header = max(sizes) <= header_room(world)
+    completed = handle.is_completed()
+    assert completed or not (in_header or world == 1)
+    deadline = time.monotonic() + 30
+    while not completed and time.monotonic() < deadline:
+        time.sleep(0.001)
+        completed = handle.is_completed()
+    out = handle.wait()  # on every rank, so that the group stays aligned whatever this rank saw
+    assert completed, "is_completed() still false 30 s after the call, before wait()"
+    assert handle.is_completed() and torch.equal(out, expected_concat(world, device, width=width))
 
 
 def rank_loss(gathered, r):
@@ -743,6 +762,7 @@ CHECKS = [
     check_all_gather_concat_zero_dim,
     check_all_gather_concat_non_contiguous_and_input_unchanged,
     check_all_gather_concat_async,
+    check_gather_handle_completes_before_wait,
     check_all_gather_tensors_any_shape,
     check_all_gather_object,
     check_all_reduce_mean_tensor,
