@@ -409,6 +409,25 @@ def check_gather_for_metrics_drops_sampler_padding(device, group=None, width=SMA
             gather_for_metrics_case(device, group, num_samples, shuffle, width)
 
 
+def check_gather_for_metrics_names_the_rank_of_a_bad_index(device, group=None):
+    """An index outside range(num_samples), below or past it, is named with the rank that holds it,
+    the same on every rank: also as that rank's first row, after a rank with no rows (rank 1)."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    counts = [0 if r == 1 else 2 for r in range(world)]
+    num_samples = sum(counts)
+    results = torch.zeros(counts[rank], 1, device=device)
+    for culprit in [r for r in range(world) if counts[r]]:
+        for bad in (-1, num_samples):
+            indices = torch.arange(sum(counts[:rank]), sum(counts[: rank + 1]), device=device)
+            if rank == culprit:
+                indices[0] = bad
+            expect_error(
+                ValueError,
+                lambda: gu.gather_for_metrics(results, indices, num_samples, group),
+                f"rank {culprit} holds index {bad}, outside range(num_samples={num_samples})",
+            )
+
+
 def expect_error(exc_type, fn, *words):
     try:
         fn()
@@ -770,6 +789,7 @@ CHECKS = [
     check_gather_for_metrics_drops_sampler_padding,
     check_gather_for_metrics_keeps_first_duplicate,
     check_gather_for_metrics_zero_width_rows,
+    check_gather_for_metrics_names_the_rank_of_a_bad_index,
     check_all_gather_concat_lazy_views,
     check_all_gather_concat_gradient,
     check_all_gather_tensors_gradient,
