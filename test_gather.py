@@ -385,6 +385,34 @@ def check_all_reduce_mean_leaves_its_input_alone(device, group=None, width=SMALL
         assert torch.equal(local, before), dtype
 
 
+def check_all_reduce_mean_sums_integers_exactly(device, group=None, width=SMALL):
+    """Integer and bool tensors are summed in float64, exact for any count: past 2**24, float32
+    would round."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    counts = torch.full((width,), 2**24 + 1 + 2 * rank, dtype=torch.int64, device=device)
+    out = gu.all_reduce_mean(counts, group)
+    assert out.dtype == torch.float64 and out.tolist() == [float(2**24 + world)] * width
+    flags = gu.all_reduce_mean(torch.tensor([rank % 2 == 0, True], device=device), group)
+    assert flags.dtype == torch.float64 and flags.tolist() == [(world + 1) // 2 / world, 1.0]
+    full_bytes = gu.all_reduce_mean(torch.full((2,), 255, dtype=torch.uint8, device=device), group)
+    assert full_bytes.tolist() == [255.0, 255.0]
+
+
+def check_all_reduce_mean_keeps_64_bit_precision(device, group=None):
+    """float64 and complex128 are summed in their own dtype: in 32 bits, 1 + 2**-40 would round
+    to 1."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    tiny, share = 2.0**-40, (rank + 1) * 2.0**-40
+    mean = 1 + tiny * (world + 1) / 2
+    local = torch.tensor([1 + share], dtype=torch.float64, device=device)
+    out = gu.all_reduce_mean(local, group)
+    assert out.dtype == torch.float64 and abs(out.item() - mean) < tiny / 16, (out.item(), mean)
+    local = torch.tensor([complex(-share, 1 + share)], dtype=torch.complex128, device=device)
+    out = gu.all_reduce_mean(local, group)
+    assert out.dtype == torch.complex128, out.dtype
+    assert abs(out.item() - complex(1 - mean, mean)) < tiny / 16, out
+
+
 def check_all_reduce_mean_dict(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     # Keys in a different order on each rank; a count that float32 could not hold exactly.
@@ -830,6 +858,8 @@ CHECKS = [
     check_all_reduce_mean_tensor,
     check_all_reduce_mean_dict,
     check_all_reduce_mean_leaves_its_input_alone,
+    check_all_reduce_mean_sums_integers_exactly,
+    check_all_reduce_mean_keeps_64_bit_precision,
     check_gather_for_metrics_drops_sampler_padding,
     check_gather_for_metrics_keeps_first_duplicate,
     check_gather_for_metrics_zero_width_rows,
