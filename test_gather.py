@@ -196,6 +196,24 @@ def check_all_gather_concat_gradient(device, group=None, width=SMALL):
     assert grad.item() == (world if rank == 0 else 0)
 
 
+def check_all_gather_concat_gradient_leaves_the_incoming_one_alone(device, group=None):
+    """The backward sums a copy of the gradient it is given: autograd may hand that same tensor
+    to another branch of the graph, or it is the caller's own `grad_outputs`; either keeps its
+    values."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    weights = torch.arange(3 * world, dtype=torch.float64, device=device).view(world, 3) + 1
+    local = torch.full((1, 3), float(rank), dtype=torch.float64, device=device, requires_grad=True)
+    other = torch.zeros(world, 3, dtype=torch.float64, device=device, requires_grad=True)
+    twice = other * 2  # before the gather, so that its backward runs after the gather's
+    ((gu.all_gather_concat(local, group) + twice) * weights).sum().backward()
+    want = world * weights[rank : rank + 1]
+    assert torch.equal(other.grad, 2 * weights) and torch.equal(local.grad, want)
+    given = weights.clone()
+    local.grad = None
+    gu.all_gather_concat(local, group).backward(given)
+    assert torch.equal(given, weights) and torch.equal(local.grad, want)
+
+
 def check_all_gather_tensors_gradient(device, group=None):
     rank, world = gu.get_rank(group), gu.get_world_size(group)
 
@@ -866,6 +884,7 @@ CHECKS = [
     check_gather_for_metrics_names_the_rank_of_a_bad_index,
     check_all_gather_concat_lazy_views,
     check_all_gather_concat_gradient,
+    check_all_gather_concat_gradient_leaves_the_incoming_one_alone,
     check_all_gather_tensors_gradient,
     check_no_grad_path_unchanged,
 ]
