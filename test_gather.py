@@ -234,13 +234,23 @@ def check_all_gather_tensors_gradient(device, group=None):
 
 
 def check_no_grad_path_unchanged(device, group=None, width=SMALL):
-    """Inputs that do not require grad, or gathers under no_grad, give results without grad."""
-    rank = gu.get_rank(group)
+    """Inputs that do not require grad, or gathers under no_grad, give results without grad. Under
+    no_grad no backward will run, so the input may require grad on some ranks only.
+    gather_for_metrics never keeps a graph."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
     plain = rows_for(rank, device, width=width)
     live = plain.clone().requires_grad_()
+    some = plain.clone().requires_grad_(rank == 1)
     outputs = [gu.all_gather_concat(plain, group), *gu.all_gather_tensors(plain, group)]
     with torch.no_grad():
         outputs += [gu.all_gather_concat(live, group), *gu.all_gather_tensors(live, group)]
+        mixed = gu.all_gather_concat(some, group)
+        outputs += [mixed, *gu.all_gather_tensors(some, group)]
+    assert torch.equal(mixed, expected_concat(world, device, width=width))
+    indices = torch.arange(rank, 3 * world, world, device=device)
+    scores = (indices[:, None] * 1.5).requires_grad_()
+    outputs.append(gu.gather_for_metrics(scores, indices, 3 * world, group))
+    assert torch.equal(outputs[-1], torch.arange(3 * world, device=device)[:, None] * 1.5)
     assert all(not t.requires_grad and t.grad_fn is None for t in outputs)
 
 
