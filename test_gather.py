@@ -395,6 +395,7 @@ def check_all_reduce_mean_tensor(device, group=None):
     local = values * (rank + 1)
     local = local.t().contiguous().t() if rank % 2 == 0 else local
     assert torch.equal(gu.all_reduce_mean(local, group), values * (sum(range(1, world + 1)) / world))
+    assert gu.all_reduce_mean(torch.zeros(0, 3, device=device), group).shape == (0, 3)
 
 
 def check_all_reduce_mean_leaves_its_input_alone(device, group=None, width=SMALL):
@@ -504,6 +505,50 @@ def check_gather_for_metrics_drops_sampler_padding(device, group=None, width=SMA
     for num_samples in (1, 2, 5, 11, 12, 1031):  # not divisible by 2, 3 or 4, below the world size, and large
         for shuffle in (False, True):
             gather_for_metrics_case(device, group, num_samples, shuffle, width)
+
+
+def check_gather_for_metrics_every_dtype(device, group=None):
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    indices = torch.arange(rank, 5, world)  # 5 samples dealt out, none on ranks past 4
+
+    def rows(i, dtype):
+        return (i.double()[:, None] * torch.tensor([1.0, 3.0], dtype=torch.float64) + 0.5).to(dtype)
+
+    for dtype in ALL_DTYPES:
+        out = gu.gather_for_metrics(rows(indices, dtype).to(device), indices.to(device), 5, group)
+        assert out.dtype == dtype and out.shape == (5, 2), dtype
+        # Compared as bytes: torch.equal refuses float8 before torch 2.5.
+        want = rows(torch.arange(5), dtype)
+        assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), dtype
+
+
+def check_gather_for_metrics_takes_any_integer_indices(device, group=None):
+    """Indices of any integer dtype, or a list of ints, give what int64 indices give."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    indices = torch.arange(world - 1 - rank, 3 * world, world)  # rank 0 holds the last samples
+    results = (indices * 10).float()[:, None].to(device)
+    want = (torch.arange(3 * world) * 10).float()[:, None]
+    for form in (torch.int32, torch.int16, torch.uint8, list):
+        given = indices.tolist() if form is list else indices.to(form).to(device)
+        out = gu.gather_for_metrics(results, given, 3 * world, group)
+        assert torch.equal(out.cpu(), want), form
+
+
+def check_gather_for_metrics_ranks_with_nothing(device, group=None, width=SMALL):
+    """Ranks without rows take part: every sample on the last rank, then none at all (num_samples
+    0). The result is the caller's own: writing to it leaves the input as it was."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    none = torch.zeros(0, dtype=torch.int64)
+    indices = torch.tensor([3, 0, 4, 1, 2]) if rank == world - 1 else none
+    results = (indices[:, None] * width + torch.arange(width)).float().to(device)
+    before = results.clone()
+    out = gu.gather_for_metrics(results, indices.to(device), 5, group)
+    assert torch.equal(out, torch.arange(5 * width, device=device).view(5, width).float())
+    out.add_(1)
+    assert torch.equal(results, before)
+    empty = torch.zeros(0, width, device=device)
+    out = gu.gather_for_metrics(empty, torch.zeros(0, dtype=torch.int64, device=device), 0, group)
+    assert out.shape == (0, width) and out.dtype == torch.float32
 
 
 def check_gather_for_metrics_names_the_rank_of_a_bad_index(device, group=None):
@@ -891,6 +936,9 @@ CHECKS = [
     check_gather_for_metrics_drops_sampler_padding,
     check_gather_for_metrics_keeps_first_duplicate,
     check_gather_for_metrics_zero_width_rows,
+    check_gather_for_metrics_every_dtype,
+    check_gather_for_metrics_takes_any_integer_indices,
+    check_gather_for_metrics_ranks_with_nothing,
     check_gather_for_metrics_names_the_rank_of_a_bad_index,
     check_all_gather_concat_lazy_views,
     check_all_gather_concat_gradient,
