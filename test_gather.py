@@ -645,6 +645,19 @@ def check_bad_input_not_a_tensor_on_one_rank(device, group=None):
     check_group_still_works(device, group)
 
 
+def check_bad_input_on_several_ranks(device, group=None):
+    """Every rank that passed bad input is named, on the ranks that did not."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    local = [1, 2] if rank > 0 else torch.zeros(2, device=device)
+    bad = ", ".join(str(r) for r in range(1, world))
+    gather = functools.partial(gu.all_gather_concat, local, group)
+    if rank == 0:
+        expect_error(ValueError, gather, f"rank {bad} passed invalid input")
+    else:
+        expect_error(TypeError, gather, "expected a torch.Tensor")
+    check_group_still_works(device, group)
+
+
 def check_bad_input_tensor_and_dict_mixed(device, group=None):
     rank = gu.get_rank(group)
     local = {"loss": 1.0} if rank == 1 else torch.ones(1, device=device)
@@ -667,9 +680,14 @@ def check_bad_input_dict_keys_differ(device, group=None):
         (torch.tensor([1.0, 2.0], device=device), "key 'loss' holds a tensor of shape [2], not one element"),
         (torch.zeros(0, device=device), "shape [0]"),
         (torch.tensor([1j], device=device), "got a complex value"),
+        (torch.zeros((), device="meta"), "expected a dict of str -> real number"),  # item() raises
     ]:
         not_a_number = {"loss": bad} if rank == 1 else {"loss": 1.0}
         expect_rank_1_error(group, TypeError, lambda: gu.all_reduce_mean(not_a_number, group), words)
+    some_not_str = {"loss": 1.0, 0: 2.0} if rank == 1 else {"loss": 1.0}
+    expect_rank_1_error(
+        group, TypeError, lambda: gu.all_reduce_mean(some_not_str, group), "keys must be str"
+    )
     check_group_still_works(device, group)
 
 
@@ -744,6 +762,15 @@ def check_bad_input_gather_for_metrics(device, group=None):
             TypeError,
             lambda: gu.gather_for_metrics(results, typed, 2 * world, group),
             f"indices must be a 1-D integer tensor, got {dtype}[2]",
+        )
+    for shaped, words in [(own.view(1, 2), "torch.int64[1, 2]"), (own[0], "torch.int64[]")]:
+        wrong_dims = shaped if rank == 1 else own
+        one_row = results[:1] if rank == 1 else results  # the dims wrong, not the count
+        expect_rank_1_error(
+            group,
+            TypeError,
+            lambda: gu.gather_for_metrics(one_row, wrong_dims, 2 * world, group),
+            f"indices must be a 1-D integer tensor, got {words}",
         )
     sparse = own.to_sparse() if rank == 1 else own
     expect_rank_1_error(
@@ -952,6 +979,7 @@ MULTI_RANK_CHECKS = [
     check_bad_input_trailing_shape_mismatch,
     check_bad_input_ndim_mismatch_same_numel,
     check_bad_input_not_a_tensor_on_one_rank,
+    check_bad_input_on_several_ranks,
     check_bad_input_unreadable_tensor_on_one_rank,
     check_bad_input_tensor_and_dict_mixed,
     check_bad_input_dict_keys_differ,
@@ -1227,11 +1255,17 @@ def test_world_of_one_bad_input():
     expect_error(TypeError, lambda: gu.all_gather_object(lambda: 0), "could not pickle")
     expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": "high"}), "got a str value")
     expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": torch.ones(1, 2)}), "shape [1, 2], not one element")
+    expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": 1.0, 0: 2.0}), "keys must be str")
+    meta = torch.zeros((), device="meta")  # Tensor.item() raises
+    expect_error(TypeError, lambda: gu.all_reduce_mean({"loss": meta}), "or one-element tensor")
     results, indices = torch.zeros(2, 1), torch.tensor([0, 1])
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 3), "held by no rank", "[2]")
     expect_error(ValueError, lambda: gu.gather_for_metrics(results, indices, 1), "holds index 1")
     expect_error(
         ValueError, lambda: gu.gather_for_metrics(results, indices[:1], 2), "1 indices for 2 result rows"
+    )
+    expect_error(
+        TypeError, lambda: gu.gather_for_metrics(results[:1], indices.view(1, 2), 2), "int64[1, 2]"
     )
 
 
