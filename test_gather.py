@@ -608,6 +608,9 @@ def check_bad_input_dtype_mismatch(device, group=None):
     )
     expect_error(ValueError, lambda: gu.all_gather_tensors(local, group), "same dtype", "rank 0: float64")
     expect_error(ValueError, lambda: gu.all_reduce_mean(local, group), "same shape and dtype")
+    indices = torch.tensor([rank, rank + world], device=device)
+    gather = functools.partial(gu.gather_for_metrics, local, indices, 2 * world, group)
+    expect_error(ValueError, gather, "rank 0: float64[2, 3]")
     check_group_still_works(device, group)
 
 
@@ -620,6 +623,10 @@ def check_bad_input_trailing_shape_mismatch(device, group=None):
         "rank 0: float32[2, 3]",
         "rank 1: float32[2, 4]",
     )
+    world = gu.get_world_size(group)
+    indices = torch.tensor([rank, rank + world], device=device)
+    gather = functools.partial(gu.gather_for_metrics, local, indices, 2 * world, group)
+    expect_error(ValueError, gather, "rank 1: float32[2, 4]")
     check_group_still_works(device, group)
 
 
@@ -673,6 +680,8 @@ def check_bad_input_dict_keys_differ(device, group=None):
     expect_error(
         ValueError, lambda: gu.all_reduce_mean(local, group), "same keys", "rank 1: ['extra', 'loss']"
     )
+    renamed = {"acc": 1.0} if rank == 1 else {"loss": 1.0}  # as many keys, other names
+    expect_error(ValueError, lambda: gu.all_reduce_mean(renamed, group), "rank 1: ['acc']")
     for bad, words in [
         ("high", "got a str value"),
         (1j, "got a complex value"),
