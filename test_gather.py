@@ -785,6 +785,13 @@ def check_bad_input_gather_for_metrics(device, group=None):
     expect_rank_1_error(
         group, TypeError, lambda: gu.gather_for_metrics(results, sparse, 2 * world, group), "dense tensor"
     )
+    meta = own.to("meta") if rank == 1 else own
+    expect_rank_1_error(
+        group,
+        ValueError,
+        lambda: gu.gather_for_metrics(results, meta, 2 * world, group),
+        "could not read this rank's indices",
+    )
     for bad in -1, 4.0, True, 2**63:
         num_samples = bad if rank == 1 else 2 * world
         expect_rank_1_error(
@@ -1275,6 +1282,9 @@ def test_world_of_one_bad_input():
     )
     expect_error(
         TypeError, lambda: gu.gather_for_metrics(results[:1], indices.view(1, 2), 2), "int64[1, 2]"
+    )
+    expect_error(
+        ValueError, lambda: gu.gather_for_metrics(results, indices.to("meta"), 2), "could not read"
     )
 
 
