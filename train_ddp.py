@@ -139,8 +139,8 @@ def process_group(args, device):
         # Python's exit instead, the group's threads would abort it (docs/troubleshooting.md).
         gc.collect()
         # Every rank reaches the end on each backend (NCCL, gloo): a group destroyed early can hang.
-        dist.barrier()
-        dist.all_reduce(torch.zeros(1))
+        for work in [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]:
+            work.wait()
     except RuntimeError as e:  # a rank gone (gloo's connections closed or timed out, NCCL's error)
         guard.collective_failed(e, args)  # one line per rank; any other error goes on up
     finally:
