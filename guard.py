@@ -262,10 +262,10 @@ def weights_for(model, args):
     path = Path(args.weights)
     if args.weights_url:
         path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(args.weights_url)
-    if args.weights_url and not path.is_file():
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(args.weights_url, str(path), progress=False)
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.hub.download_url_to_file(args.weights_url, str(path), progress=False)
         except Exception as e:
             fail(f"--weights {args.weights}: could not download {args.weights_url} "
                  f"({type(e).__name__}: {e}); without a network, place that file at {path}, or "
