@@ -27,6 +27,7 @@ import gather_utils
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
                    "rng"}
 BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
+EXIT_STOPPED = 75  # sysexits.h's EX_TEMPFAIL, "try again later": stopped, saved, not done
 ELASTIC_WAIT = 10  # torchrun's agent polls workers and joining nodes every 0.1 s (5 s on torch 2.3)
 # What the old ProcessGroupNCCL writes when it fails, beneath every prefix of torchrun's store
 # (ProcessGroupNCCL.hpp: kStoreDumpKey; timeout_dump on torch 2.3). ProcessGroupNCCL2 writes none.
@@ -430,23 +431,26 @@ def check_finite_loss(loss, run, args):
 
 
 class StopAgreement:
-    """SLURM and Kubernetes send SIGTERM before they kill a job. The handler notes it; before every
-    optimizer step, and after each validation but the last, an all-reduce of three flags on the
-    CPU (no wait for the GPU) stops all ranks at one point for one's SIGTERM or unreadable image."""
+    """SLURM and Kubernetes send SIGTERM before they kill a job, a terminal's Ctrl-C SIGINT. The
+    handler notes the first; before every optimizer step, and after each validation but the last,
+    an all-reduce of three flags on the CPU (no wait for the GPU) stops all ranks at one point for
+    one's signal or unreadable image. A second Ctrl-C stops at once, without saving."""
 
     def __init__(self):
-        self.requested = False  # set by the handler, which Python runs in the main thread
-        self.stopped = False  # the ranks agreed to stop for a SIGTERM, this rank's or another's
-        self.ending = False  # the SIGTERM came to the node that hosts an elastic job's rendezvous
+        self.requested = 0  # the first signal's number, set by the handler (in the main thread)
+        self.stopped_by = None  # its name, once the ranks agreed to stop for it (or another's)
+        self.ending = False  # the signal came to the node that hosts an elastic job's rendezvous
         self.flags, self.sent, self.problem = torch.zeros(3, dtype=torch.int32), None, None
         signal.signal(signal.SIGTERM, self.note)
+        signal.signal(signal.SIGINT, self.note)
 
     def note(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM cannot kill it as it exits
+        self.requested = signum
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # launch.sh repeats it: no kill as it saves
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def send(self, problem=None):
-        """Start this rank's flags on their way: its SIGTERM so far, a `problem`, and `ending`."""
+        """Start this rank's flags on their way: its signal so far, a `problem`, and `ending`."""
         self.problem = problem
         self.flags[0].fill_(self.requested)
         self.flags[1].fill_(problem is not None)
@@ -459,17 +463,33 @@ class StopAgreement:
             self.send()
         self.sent.wait()
         self.sent = None
-        sigterm, problems, ending = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
+        signum, problems, ending = self.flags.tolist()  # a CPU tensor: reading it waits for no GPU
         if problems:
             stop_on_problems(self.problem)
-        self.stopped, self.ending = bool(sigterm), bool(ending)
-        return self.stopped
+        self.stopped_by = signal.Signals(signum).name if signum else None
+        self.ending = bool(ending)
+        return self.stopped_by is not None
+
+    def exit(self, args):
+        """Training done: return, for exit 0. Stopped before the end, saved: exit 75 (EXIT_STOPPED),
+        on which Kubernetes and SkyPilot start the job again; 0 under SLURM, whose afterok chains
+        need it, and under launch.sh, whose torchrun takes any other code for a failure: launch.sh
+        exits 75 for it, told by STOP_FILE. An elastic node's ranks leave first (launching.md)."""
+        stop_file = os.environ.get("STOP_FILE")
+        if self.stopped_by is None:
+            if stop_file:  # an elastic job's scale-up stopped an earlier round
+                Path(stop_file).unlink(missing_ok=True)
+            return
+        self.leave_as_the_elastic_agent_expects(args)
+        if stop_file:
+            Path(stop_file).touch()
+        sys.exit(0 if stop_file or "SLURM_JOB_ID" in os.environ else EXIT_STOPPED)
 
     def leave_as_the_elastic_agent_expects(self, args):
         """In an elastic job (NNODES=MIN:MAX), a rank another's SIGTERM stopped waits ELASTIC_WAIT s
         for its own, which torchrun's agent sends to restart larger; none: a node left, exit 1 (exit
         0 ends the job: api.py, _invoke_run). The rendezvous host left: the job ends, saved."""
-        if not self.stopped or self.requested or ":" not in os.environ.get("NNODES", ""):
+        if self.requested or ":" not in os.environ.get("NNODES", ""):
             return
         if self.ending:
             if env_local_rank() == 0:

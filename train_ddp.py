@@ -9,9 +9,11 @@ guard.py beside it holds the checks and the safety nets a reader can skip (docs/
 """
 import signal
 
-if __name__ == "__main__":  # a SIGTERM during the slow imports waits for main() to note it
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the ignore that torchrun may pass on
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # SLURM's and Kubernetes', a terminal's Ctrl-C
+if __name__ == "__main__":  # one during the slow imports waits for main() to act on it
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)  # not the ignore that torchrun may pass on
 
 import argparse
 import datetime
@@ -58,16 +60,17 @@ def main(argv=None):
     args = parse_args(argv)  # 1. arguments
     # Read before the process group forms: a bad file fails fast, and every rank with it.
     resume_from, checkpoint = load_checkpoint(args)  # --resume, or this job's last.pt
+    # Training notes a SIGTERM or Ctrl-C, also one held since the first line, and stops at its next
+    # step, saved; a dry run or --evaluate, with nothing to save, ends at once.
+    stop = None if args.evaluate or args.dry_run else guard.StopAgreement()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if args.dry_run:
         return
-    # SIGTERMs are noted from here on: one during the set-up, or held since, stops at step one.
-    stop = None if args.evaluate else guard.StopAgreement()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     device = setup_device(args)  # 2. device
     with process_group(args, device):  # 3. process group; 8. clean-up when the block ends
         train_or_evaluate(args, device, resume_from, checkpoint, stop)
-    if stop is not None:  # an elastic job goes on without a node that left (docs/launching.md)
-        stop.leave_as_the_elastic_agent_expects(args)
+    if stop is not None:  # the exit code by which a launcher or scheduler goes on
+        stop.exit(args)
 
 
 # ------------------------------------------------------------------------------- 1. arguments
@@ -340,7 +343,8 @@ def fit(run, train_set, val_set, args, to_input, stop):
             train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop, profiler)
         if stopped:
             save_checkpoint(run, args)
-            return log_stop(args, f"at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}")
+            where = f"at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}"
+            return log_stop(args, stop, where)
         run.epoch, run.samples, run.step = epoch + 1, 0, 0
         guard.recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
         # Saved before validating: a SIGTERM or a kill during validation loses no training.
@@ -355,7 +359,7 @@ def fit(run, train_set, val_set, args, to_input, stop):
             f"{record['images_per_sec']:.1f} img/s data {record['data_wait']:.0%} "
             f"{record['epoch_seconds']:.1f} s")
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
-            return log_stop(args, f"after epoch {epoch + 1}")
+            return log_stop(args, stop, f"after epoch {epoch + 1}")
 
 
 def rest_of_epoch(sampler, run):
@@ -533,8 +537,9 @@ def log_step(run, args, step_loss, lr, clock):
         f"data {mean['data']:.0%} eta {eta}")
 
 
-def log_stop(args, where):
-    log(f"stopped by SIGTERM {where}; continue with --resume {guard.last_checkpoint(args)}")
+def log_stop(args, stop, where):
+    last = guard.last_checkpoint(args)
+    log(f"stopped by {stop.stopped_by} {where}; continue with --resume {last}")
 
 
 def log_start(args, device, train_set, val_set, run, new_layers):

@@ -4,6 +4,7 @@ test_gather.py stays self-contained: users copy it with gather_utils.py alone.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ LAUNCH = str(ROOT / "launch.sh")
 # 2 ranks x 32 steps x 2 epochs: enough for the synthetic task to be learned (val acc1 ~100%).
 TINY = ["--arch", "resnet18", "--train-samples", "512", "--val-samples", "50", "--batch-size", "8", "--lr", "0.02",
         "--epochs", "2", "--log-every", "4"]
+FAST = [*TINY, "--train-samples", "256"]  # 16 steps an epoch: for stopping and resuming, not accuracy
 RUN_TIMEOUT = 120
 
 
@@ -166,3 +168,31 @@ def write_images(root, make_image, classes, per_split, suffix=".png"):
 def noise_image(height, width):
     return lambda label, i: torch.randint(0, 256, (height, width, 3), dtype=torch.uint8,
                                           generator=torch.Generator().manual_seed(2 * i + label))
+
+
+@dataclass
+class Finished:
+    weights: dict
+    metrics: list
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """`bash launch.sh 2` of FAST to the end: what a run stopped and resumed, or one spread over hosts, must
+    equal bit for bit (CPU training is deterministic)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", out, "--metrics-file", out / "m.jsonl"]))
+    return Finished(load(out / "last.pt")["model"], metrics(out / "m.jsonl"))
+
+
+def resume_and_compare(folder, uninterrupted):
+    """Resume from folder/last.pt: the run says where it resumes and trains only what was left (a run that started
+    afresh would end with the same weights), to the uninterrupted run's weights."""
+    saved = load(folder / "last.pt")
+    result = ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(folder), "--resume", str(folder / "last.pt"),
+                     "--metrics-file", str(folder / "resumed.jsonl")]))
+    assert f"resumed from {folder / 'last.pt'} at epoch {saved['epoch'] + 1} step {saved['step']}" in result.stdout
+    steps = re.findall(r"epoch (\d)/2 step (\d+)/16", result.stdout)
+    assert steps[0] == (str(saved["epoch"] + 1), str(saved["step"] + 4 - saved["step"] % 4)), steps  # logged every 4
+    assert [r["epoch"] for r in metrics(folder / "resumed.jsonl")] == list(range(saved["epoch"] + 1, 3))
+    assert_same_weights(load(folder / "last.pt")["model"], uninterrupted.weights)

@@ -21,11 +21,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 import guard
 import train_ddp
-from conftest import LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
-    free_port, kill_pids, kill_tree, load, metrics, noise_image, ok, proc_file, run, torchrun, write_images
-
-# TINY with 16 steps per epoch: these tests are about stopping and resuming, not accuracy.
-FAST = [*TINY, "--train-samples", "256"]
+from conftest import FAST, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
+    free_port, kill_pids, kill_tree, load, metrics, noise_image, ok, proc_file, resume_and_compare, run, torchrun, \
+    write_images
 
 pytestmark = pytest.mark.timeout(300)  # a backstop: every run below has its own timeout
 
@@ -77,27 +75,6 @@ def worker(proc, rank):
         if f"RANK={rank}".encode() in proc_file(pid, "environ").split(b"\0"):
             return pid
     raise AssertionError(f"no worker with RANK={rank} under {proc.pid}")
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """Final weights of an uninterrupted 2-rank run of FAST."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    ok(run(torchrun(2, *FAST, "--checkpoint-dir", out)))
-    return load(out / "last.pt")["model"]
-
-
-def resume_and_compare(tmp_path, uninterrupted):
-    """Resume from last.pt: the run says where it resumes and trains only what was left (a run that started
-    afresh would end with the same weights: CPU training is deterministic), to the uninterrupted run's weights."""
-    saved = load(tmp_path / "last.pt")
-    result = ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path),
-                     "--resume", str(tmp_path / "last.pt"), "--metrics-file", str(tmp_path / "resumed.jsonl")]))
-    assert f"resumed from {tmp_path / 'last.pt'} at epoch {saved['epoch'] + 1} step {saved['step']}" in result.stdout
-    steps = re.findall(r"epoch (\d)/2 step (\d+)/16", result.stdout)
-    assert steps[0] == (str(saved["epoch"] + 1), str(saved["step"] + 4 - saved["step"] % 4)), steps  # logged every 4
-    assert [r["epoch"] for r in metrics(tmp_path / "resumed.jsonl")] == list(range(saved["epoch"] + 1, 3))
-    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
 
 
 # ---------------------------------------------------------------- 1. rendezvous that cannot complete
@@ -160,7 +137,7 @@ def test_max_restarts_resumes_by_itself(tmp_path, uninterrupted):
     wait_exit(job, RUN_TIMEOUT)
     assert job.returncode == 0, stderr(job)[-3000:]
     assert f"resumed from {tmp_path / 'last.pt'} at epoch 2 step 0" in stdout(job)
-    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
+    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted.weights)
 
 
 def test_restart_ignores_a_last_pt_from_an_earlier_job(tmp_path, uninterrupted):
@@ -175,7 +152,7 @@ def test_restart_ignores_a_last_pt_from_an_earlier_job(tmp_path, uninterrupted):
     assert job.returncode == 0, stderr(job)[-3000:]
     assert "resumed from" not in stdout(job)  # the restart started afresh, as the job itself had
     assert f"restart: ignoring {tmp_path / 'last.pt'}, written by another job" in stderr(job)
-    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted)
+    assert_same_weights(load(tmp_path / "last.pt")["model"], uninterrupted.weights)
 
 
 # ---------------------------------------------------------------- 3. SIGTERM
@@ -184,7 +161,7 @@ def sigterm_mid_epoch(tmp_path, target):
     wait_for(lambda: "epoch 2/2 step 4/16" in stdout(job), job, "step 4 of epoch 2", interval=0.01)
     os.kill(job.pid if target == "launcher" else worker(job, 1), signal.SIGTERM)
     seconds = wait_exit(job, 60)
-    assert job.returncode == 0 and seconds < 30, stderr(job)[-3000:]
+    assert job.returncode == 75 and seconds < 30, stderr(job)[-3000:]  # saved, not done
     checkpoint = load(tmp_path / "last.pt")
     assert checkpoint["epoch"] == 1 and 4 <= checkpoint["step"] < 16  # 0-based epoch 1 = the second
     assert f"stopped by SIGTERM at epoch 2 step {checkpoint['step']}/16" in stdout(job)
@@ -247,37 +224,46 @@ def test_sigterm_to_one_rank_stops_all_ranks_and_resumes_exactly(tmp_path, unint
     resume_and_compare(tmp_path, uninterrupted)
 
 
-def test_sigterm_to_launcher_before_the_workers_start_stops_the_job(tmp_path):
-    # torchrun has no workers yet, and ignores SIGTERM: launch.sh must pass it on to the workers
-    # once they start, and may not exit and leave a job behind that nothing will stop.
-    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
-    wait_for(lambda: any(b"torch.distributed.run" in proc_file(pid, "cmdline") for pid in descendants(job.pid)), job,
-             "torchrun", interval=0.005)
-    os.kill(job.pid, signal.SIGTERM)
-    wait_exit(job, 60)
+def left_behind(tmp_path):
+    """The processes whose arguments name tmp_path, killed: torchrun starts each worker in a session of its own."""
     time.sleep(1)
-    # torchrun starts each worker in a session of its own: find every process by its arguments.
-    left = [int(p.name) for p in Path("/proc").glob("[0-9]*")
-            if str(tmp_path).encode() in proc_file(p.name, "cmdline")]
+    left = [int(p.name) for p in Path("/proc").glob("[0-9]*") if str(tmp_path).encode() in proc_file(p.name, "cmdline")]
     kill_pids(left)
-    assert not left, f"still running after launch.sh exited {job.returncode}"
-    # The workers got it (a launcher that kept it would let this short job finish): they stopped before a step.
-    assert job.returncode == 0, stderr(job)[-3000:]
-    assert re.search(r"stopped by SIGTERM at epoch 1 step \d+/16; continue with --resume", stdout(job)), stdout(job)
+    return left
+
+
+def is_worker(pid):
+    """Whether pid is a train_ddp.py that torchrun started (not torchrun, nor launch.sh's dry run)."""
+    args = proc_file(pid, "cmdline").split(b"\0")
+    return not {b"torch.distributed.run", b"--dry-run"} & set(args) and any(a.endswith(b"train_ddp.py") for a in args)
+
+
+@pytest.mark.parametrize("moment", ["the dry run", "torchrun's start"])
+def test_a_signal_before_the_workers_start_ends_launch_sh_at_once_leaving_nothing(tmp_path, moment):
+    # Nothing to save yet: launch.sh ends what runs (the dry run, or a torchrun with no worker) and exits 75
+    # within seconds, leaving no job behind that nothing would stop. It used to wait out the dry run.
+    job = start_logged(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path)
+    marker = b"--dry-run" if moment == "the dry run" else b"torch.distributed.run"
+    wait_for(lambda: any(marker in proc_file(pid, "cmdline") for pid in descendants(job.pid)), job, moment,
+             interval=0.005)
+    os.kill(job.pid, signal.SIGTERM)
+    assert wait_exit(job, 60) < 5 and job.returncode == 75, stderr(job)[-3000:]
+    assert not left_behind(tmp_path), f"still running after launch.sh exited {job.returncode}"
+    assert "stopped by" not in stdout(job) and not (tmp_path / "last.pt").exists(), stdout(job)
 
 
 def test_sigterm_never_saves_the_last_step_of_an_epoch(tmp_path):
     # The ranks agree on a SIGTERM before each step, never after an epoch's last one (where saving step N/N would
-    # leave the resume an epoch of no step and a loss of nan). With one step per epoch and the signal sent at once,
-    # held by the workers from their first line, they stop before that step, and the resume trains it.
+    # leave the resume an epoch of no step and a loss of nan). With one step per epoch and the signal sent as the
+    # workers start, held by them from their first line, they stop before that step, and the resume trains it.
     one_step = ["--arch", "resnet18", "--train-samples", "16", "--val-samples", "4", "--batch-size", "8",
                 "--epochs", "2", "--checkpoint-dir", str(tmp_path), "--metrics-file", str(tmp_path / "m.jsonl")]
     job = start_logged(["bash", LAUNCH, "2", *one_step], subdir(tmp_path / "log"))
-    wait_for(lambda: any(b"torch.distributed.run" in proc_file(pid, "cmdline") for pid in descendants(job.pid)), job,
-             "torchrun", interval=0.005)
+    wait_for(lambda: any(is_worker(pid) for pid in descendants(job.pid)), job, "a worker",
+             interval=0.005)
     os.kill(job.pid, signal.SIGTERM)
     wait_exit(job, 60)
-    assert job.returncode == 0, stderr(job)[-3000:]
+    assert job.returncode == 75, stderr(job)[-3000:]
     assert "stopped by SIGTERM at epoch 1 step 0/1; continue with --resume" in stdout(job), stdout(job)
     assert (load(tmp_path / "last.pt")["epoch"], load(tmp_path / "last.pt")["step"]) == (0, 0)
     resumed = ok(run(["bash", LAUNCH, "2", *one_step, "--resume", str(tmp_path / "last.pt")]))
@@ -294,7 +280,7 @@ def test_sigterm_during_validation_stops_when_it_ends(tmp_path, uninterrupted):
     wait_for(lambda: (tmp_path / "last.pt").exists(), job, "the epoch-1 checkpoint", interval=0.01)
     os.kill(job.pid, signal.SIGTERM)
     wait_exit(job, 60)
-    assert job.returncode == 0, stderr(job)[-3000:]
+    assert job.returncode == 75, stderr(job)[-3000:]
     assert "val_acc1" in stdout(job) and "stopped by SIGTERM after epoch 1; continue with --resume" in stdout(job)
     checkpoint = load(tmp_path / "last.pt")
     assert (checkpoint["epoch"], checkpoint["step"]) == (1, 0)
@@ -468,7 +454,7 @@ LAUNCH_ENV_INPUTS = {  # launch.sh's variables: each case's environment, and the
     "init timeout with a leading zero": (dict(NNODES="1:2", RUN_ID="a", INIT_TIMEOUT="090", LAST_CALL="30"),
                                          "launch.sh: error: INIT_TIMEOUT must be a whole number: '090'"),
     "last call zero": (dict(NNODES="1:2", RUN_ID="a", LAST_CALL="0"),  # torch's ValueError and its traceback
-                       "launch.sh: error: INIT_TIMEOUT and LAST_CALL must be 1 s or more"),
+                       "launch.sh: error: LAST_CALL must be 1 s or more"),
     "node rank not a number": (dict(NNODES="2", NODE_RANK="x"), "launch.sh: error: NODE_RANK must be a whole number: "
                                                                 "'x'"),
     "node rank missing": (dict(NNODES="2"), "launch.sh: error: NODE_RANK must be 0 (on MASTER_ADDR) to 1: ''"),
@@ -479,9 +465,14 @@ LAUNCH_ENV_INPUTS = {  # launch.sh's variables: each case's environment, and the
     "master port not a number": (dict(NNODES="2", NODE_RANK="0", MASTER_PORT="abc"),
                                  "launch.sh: error: MASTER_PORT must be a whole number: 'abc'"),
     "master port zero": (dict(NNODES="2", NODE_RANK="0", MASTER_PORT="0"),
-                         "launch.sh: error: MASTER_PORT must be 1 to 65535: 0"),
+                         "launch.sh: error: MASTER_PORT must be 1 to 65535: '0'"),
     "master port past 65535": (dict(NNODES="2", NODE_RANK="0", MASTER_PORT="65536"),
-                               "launch.sh: error: MASTER_PORT must be 1 to 65535: 65536"),
+                               "launch.sh: error: MASTER_PORT must be 1 to 65535: '65536'"),
+    # Without its own id, a TrainJob's new pods would start afresh and write over the job's last.pt.
+    "a trainjob without a run id": (dict(NNODES="", PET_NNODES="2", PET_NODE_RANK="0"),
+                                    "launch.sh: error: a Kubeflow TrainJob needs RUN_ID, its pod label "
+                                    "jobset.sigs.k8s.io/jobset-uid: new pods start afresh over the job's last.pt "
+                                    "without it"),
     "rendezvous host not 0 or 1": (dict(NNODES="1:2", RUN_ID="a", RDZV_HOST="yes"),
                                    "launch.sh: error: RDZV_HOST must be 1 (this node hosts the rendezvous) or 0"),
 }
@@ -508,12 +499,32 @@ def test_launch_sh_finds_train_ddp_py_under_an_exported_cdpath():
         "train_ddp.py: error: --epochs must be 1 or more, got 0"], result.stderr
 
 
-def test_master_addr_that_does_not_resolve_fails_fast_with_one_line():
-    env = clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="node0.invalid")
-    result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=30, env=env)
-    assert result.returncode == 2 and result.seconds < 15 and result.stdout == ""
+def test_master_addr_that_never_resolves_fails_after_init_timeout_with_one_line():
+    # A pod's name resolves once it has an address, minutes later maybe: launch.sh waits, and says so.
+    env = clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="node0.invalid", INIT_TIMEOUT=3)
+    result = run(["bash", LAUNCH, "1", "--arch", "resnet18"], timeout=60, env=env)
+    assert result.returncode == 2 and 3 <= result.seconds < 20 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "launch.sh: error: MASTER_ADDR 'node0.invalid' does not resolve here; expected node 0's name or address"]
+        "launch.sh: MASTER_ADDR 'node0.invalid' does not resolve yet; waiting",
+        "launch.sh: error: MASTER_ADDR 'node0.invalid' did not resolve within INIT_TIMEOUT 3 s"]
+
+
+@pytest.mark.parametrize("moment", ["MASTER_ADDR resolves", "the other node comes"])
+def test_a_signal_while_launch_sh_waits_ends_it_at_once(tmp_path, moment):
+    # A pod waits minutes for another (INIT_TIMEOUT, 600 s by default), longer than Kubernetes' grace period:
+    # there is nothing to save yet, and launch.sh stops within seconds, leaving nothing behind.
+    address = "node0.invalid" if moment == "MASTER_ADDR resolves" else "127.0.0.1"
+    env = clean_env(NNODES="2", NODE_RANK="1", MASTER_ADDR=address, MASTER_PORT=free_port())
+    job = start_logged(["bash", LAUNCH, "1", *FAST, "--checkpoint-dir", str(tmp_path)], tmp_path, env)
+    if moment == "MASTER_ADDR resolves":
+        wait_for(lambda: "does not resolve yet" in stderr(job), job, "the waiting line")
+    else:
+        wait_for(lambda: any(b"torch.distributed.run" in proc_file(pid, "cmdline") for pid in descendants(job.pid)),
+                 job, "torchrun")
+    time.sleep(3)
+    os.kill(job.pid, signal.SIGTERM)
+    assert wait_exit(job, 30) < 5 and job.returncode == 75, stderr(job)
+    assert not left_behind(tmp_path) and "Traceback" not in stderr(job), stderr(job)
 
 
 def test_an_elastic_node_without_iproute2_and_procps_finds_that_it_hosts_the_rendezvous(tmp_path):
@@ -532,7 +543,7 @@ def test_an_elastic_node_without_iproute2_and_procps_finds_that_it_hosts_the_ren
     assert load(tmp_path / "last.pt")["epoch"] == 1
 
 
-def test_sigterm_while_waiting_for_the_rendezvous_exits_143_at_once(tmp_path):
+def test_sigterm_while_waiting_for_the_rendezvous_exits_75_at_once(tmp_path):
     # A node that joins waits up to INIT_TIMEOUT for the rendezvous host to answer; a SIGTERM then ended that wait
     # only at its end, with the line for a rendezvous that never answered.
     port = free_port()
@@ -541,7 +552,7 @@ def test_sigterm_while_waiting_for_the_rendezvous_exits_143_at_once(tmp_path):
     wait_for(lambda: "joining the rendezvous" in stderr(job), job, "the joining line")
     time.sleep(1)
     os.kill(job.pid, signal.SIGTERM)
-    assert wait_exit(job, 30) < 5 and job.returncode == 143, stderr(job)
+    assert wait_exit(job, 30) < 5 and job.returncode == 75, stderr(job)
     time.sleep(0.5)
     probes = [int(p.name) for p in Path("/proc").glob("[0-9]*") if b"/dev/tcp" in proc_file(p.name, "cmdline")
               and str(port).encode() in proc_file(p.name, "cmdline")]
@@ -552,7 +563,7 @@ def test_sigterm_while_waiting_for_the_rendezvous_exits_143_at_once(tmp_path):
 def test_a_second_sigterm_to_a_leaving_node_still_waits_for_its_workers(tmp_path):
     # NNODES=1:2 on one machine: launch.sh as the rendezvous host, and as a node that joins it. The joining node gets
     # SIGTERM twice (SLURM and launch.sh's own forwarding may send several): it leaves, its workers save with the
-    # others, and it exits 143 once they have ended. The second SIGTERM ran the leave again, which found torchrun
+    # others, and it exits 75 once they have ended. The second SIGTERM ran the leave again, which found torchrun
     # killed and no worker, and exited at once, its workers still saving.
     checkpoints = tmp_path / "ck"
     env = dict(NNODES="1:2", RUN_ID="twice", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), LAST_CALL=5)
@@ -567,7 +578,7 @@ def test_a_second_sigterm_to_a_leaving_node_still_waits_for_its_workers(tmp_path
         os.kill(joining.pid, signal.SIGTERM)
         wait_exit(joining, 60)
         alive = [pid for pid in workers if proc_file(pid, "stat") and b") Z" not in proc_file(pid, "stat")]
-        assert joining.returncode == 143 and workers and not alive, (workers, alive, stderr(joining)[-2000:])
+        assert joining.returncode == 75 and workers and not alive, (workers, alive, stderr(joining)[-2000:])
         wait_for(lambda: (checkpoints / "last.pt").exists(), host, "the save")
         saved = load(checkpoints / "last.pt")
         assert (saved["epoch"], saved["world_size"]) == (0, 2) and saved["step"] >= 4, saved["step"]

@@ -493,19 +493,61 @@ def test_check_finite_loss_stops_on_nan_and_inf(tmp_path, capsys):
 
 # ------------------------------------------------------------------------- stopping together
 def test_stop_agreement_stops_on_a_sigterm_and_exits_on_a_problem(world_of_one, capsys):
-    before = signal.getsignal(signal.SIGTERM)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         stop = guard.StopAgreement()
         assert not stop.agreed()
         os.kill(os.getpid(), signal.SIGTERM)
         stop.send()
-        assert stop.agreed() and stop.stopped and not stop.ending
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM cannot kill it
+        assert stop.agreed() and stop.stopped_by == "SIGTERM" and not stop.ending
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # launch.sh's repeats cannot kill it
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # a Ctrl-C then stops at once
         stop.send("cannot read x.jpg")
         code, err = exit_of(stop.agreed, capsys)
         assert code == 1 and "rank 0: cannot read x.jpg" in err
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def test_stop_agreement_names_a_ctrl_c_and_a_second_one_ends_the_process_at_once():
+    # Real processes: the second SIGINT's default action ends the process, as in a terminal.
+    code = """if True:
+        import os, signal, time, torch.distributed as dist, guard
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        stop = guard.StopAgreement()
+        os.kill(os.getpid(), signal.SIGINT)
+        print(stop.agreed(), stop.stopped_by, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        print("not stopped", flush=True)"""
+    result = run([sys.executable, "-c", code], env=clean_env(), cwd=ROOT, timeout=60)
+    assert result.returncode == -signal.SIGINT and result.stdout == "True SIGINT\n", result
+
+
+@pytest.mark.parametrize("where", ["a terminal", "SLURM", "launch.sh"])
+def test_stop_agreement_exits_75_after_a_stop_0_under_slurm_and_launch_sh(tmp_path, where):
+    # launch.sh's torchrun would take 75 for a failure: its workers exit 0 and touch STOP_FILE,
+    # by which launch.sh exits 75; its file goes when a later round trains to the end.
+    env = {"a terminal": {}, "SLURM": {"SLURM_JOB_ID": "7"}, "launch.sh": {"STOP_FILE": tmp_path / "f"}}
+    code = """if True:
+        import os, signal, types, torch.distributed as dist, guard
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        args = types.SimpleNamespace(checkpoint_dir="ck")
+        done = guard.StopAgreement()
+        done.agreed()
+        done.exit(args)
+        print("STOP_FILE" in os.environ and os.path.exists(os.environ["STOP_FILE"]), flush=True)
+        stop = guard.StopAgreement()
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop.agreed()
+        stop.exit(args)"""
+    (tmp_path / "f").touch()  # an earlier round's stop
+    result = run([sys.executable, "-c", code], env=clean_env(**env[where]), cwd=ROOT, timeout=60)
+    assert result.stdout == "False\n", result  # the round that trained to the end removed it
+    assert result.returncode == {"a terminal": 75, "SLURM": 0, "launch.sh": 0}[where], result
+    if where == "launch.sh":
+        assert (tmp_path / "f").exists()
 
 
 @pytest.mark.parametrize("on_the_rendezvous_host", [True, False])
@@ -518,17 +560,17 @@ def test_stop_agreement_stops_every_rank_for_one_ranks_sigterm(on_the_rendezvous
         before = stop.agreed()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        print(before, stop.agreed(), stop.stopped, stop.ending, stop.requested, flush=True)
-        stop.leave_as_the_elastic_agent_expects(types.SimpleNamespace(checkpoint_dir="ck"))
+        print(before, stop.agreed(), stop.stopped_by, stop.ending, bool(stop.requested), flush=True)
+        stop.exit(types.SimpleNamespace(checkpoint_dir="ck"))
     """)
     ending = on_the_rendezvous_host
-    assert [r.stdout for r in ranks] == [f"False True True {ending} {rank == 1}\n" for rank in range(3)]
-    if ending:
-        assert [r.returncode for r in ranks] == [0, 0, 0], ranks
+    assert [r.stdout for r in ranks] == [f"False True SIGTERM {ending} {rank == 1}\n" for rank in range(3)]
+    if ending:  # every rank saved and stopped, the job not done
+        assert [r.returncode for r in ranks] == [75, 75, 75], ranks
         assert "got a SIGTERM and left, and the elastic job ends with it; go on with --resume ck/last.pt" in \
             ranks[0].stderr
     else:
-        assert [r.returncode for r in ranks] == [1, 0, 1] and ranks[0].seconds > guard.ELASTIC_WAIT, ranks
+        assert [r.returncode for r in ranks] == [1, 75, 1] and ranks[0].seconds > guard.ELASTIC_WAIT, ranks
         assert "another node left the elastic job (a SIGTERM there, none here in 10 s): exit 1" in ranks[0].stderr
     assert ranks[1].stderr == ranks[2].stderr == ""
 

@@ -10,14 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCH, ROOT, TINY, TRAIN, assert_same_weights, clean_env, load, metrics, noise_image, ok, \
-    run, write_images
+from conftest import FAST, LAUNCH, ROOT, TRAIN, assert_same_weights, clean_env, load, metrics, noise_image, \
+    write_images
 from tools import hosts
 
-FAST = [*TINY, "--train-samples", "256"]  # 2 epochs of 16 steps on 2 ranks
 PORT = 29500  # each host has its own ports: no clash with this machine's
 
 pytestmark = pytest.mark.timeout(300)  # a backstop: every wait below has its own timeout
@@ -30,14 +30,6 @@ def can_make_hosts():
         pytest.fail(f"cannot make hosts: {why}")
     if why:
         pytest.skip(f"cannot make hosts: {why}")
-
-
-@pytest.fixture(scope="module")
-def one_host(tmp_path_factory):
-    """The same 2 ranks on this machine: the final weights and metrics the hosts must give."""
-    out = tmp_path_factory.mktemp("one_host")
-    ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", out, "--metrics-file", out / "m.jsonl"]))
-    return load(out / "last.pt")["model"], metrics(out / "m.jsonl")
 
 
 def hostname_on_loopback(count):
@@ -125,10 +117,10 @@ def our_lines(text):
 
 
 # ---------------------------------------------------------------- training across hosts
-def test_two_hosts_train_resume_and_evaluate_as_one_host_does(tmp_path, one_host):
+def test_two_hosts_train_resume_and_evaluate_as_one_host_does(tmp_path, uninterrupted):
     # Each host's name resolves to 127.0.1.1, the classic multi-node hang: launch.sh names the interface that
     # reaches MASTER_ADDR for gloo and NCCL, and says so. The user sets NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT.
-    weights, records = one_host
+    weights, records = uninterrupted.weights, uninterrupted.metrics
     args = [*FAST, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl"]
     with hosts.Hosts(2, hosts_files=hostname_on_loopback(2)) as on:
         job = Job(on, tmp_path, launch_sh(*args, "--epochs", "1"))
@@ -159,10 +151,10 @@ def resumes(out):
     return [tuple(map(int, resume)) for resume in found]
 
 
-def test_an_elastic_job_that_loses_a_host_finishes_on_the_other(tmp_path, one_host):
+def test_an_elastic_job_that_loses_a_host_finishes_on_the_other(tmp_path, uninterrupted):
     # NNODES=1:2: host 1 is killed mid-epoch 2. Host 0's worker fails with it, torchrun restarts it alone, and it
     # resumes from the last --save-every checkpoint at world size 1, after the images the two had trained.
-    _, records = one_host
+    records = uninterrupted.metrics
     args = [*FAST, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl", "--save-every", "3"]
     with hosts.Hosts(2) as on:
         job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "1:2", **ELASTIC})
@@ -236,11 +228,11 @@ def test_an_elastic_rendezvous_that_cannot_form_ends_within_init_timeout_with_on
         assert "Traceback" not in job.err(i)
 
 
-def test_a_spot_notice_on_one_host_leaves_the_job_running_on_the_other(tmp_path, one_host):
+def test_a_spot_notice_on_one_host_leaves_the_job_running_on_the_other(tmp_path, uninterrupted):
     # NNODES=1:2: every process of host 1 gets SIGTERM in epoch 2, and SIGKILL 30 s later, as a
     # preempted VM's do. The ranks agree on a step and save; host 1 leaves; host 0 waits for a SIGTERM
     # of its own, which does not come, and torchrun restarts it alone from that save, to the end.
-    _, records = one_host
+    records = uninterrupted.metrics
     args = [*FAST, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl"]
     with hosts.Hosts(2) as on:
         job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "1:2", **ELASTIC})
@@ -251,7 +243,7 @@ def test_a_spot_notice_on_one_host_leaves_the_job_running_on_the_other(tmp_path,
             time.sleep(0.2)
         on.kill(1)
         codes = job.wait(180)
-    assert codes == [0, 143], job.report()
+    assert codes == [0, 75], job.report()
     assert "stopped by SIGTERM at epoch 2 step" in job.out(0) and "another node left the elastic job" in job.err(0)
     *_, (epoch, step, world, images) = resumes(job.out(0))  # the last: host 1 may have joined late, at the start
     assert (epoch, world) == (2, 1) and step >= 4 and images == step * 16, job.report()
@@ -262,8 +254,8 @@ def test_a_spot_notice_on_one_host_leaves_the_job_running_on_the_other(tmp_path,
 
 def test_a_spot_notice_on_the_rendezvous_host_ends_the_job_saved_on_every_host(tmp_path):
     # NNODES=1:2: host 0, which hosts the rendezvous, gets the notice (SIGTERM to every process, SIGKILL 30 s later).
-    # The job cannot go on without it: the ranks agree on a step and save, and every host ends with exit 0, the other
-    # one with one line that says how to go on, and no traceback.
+    # The job cannot go on without it: the ranks agree on a step and save, and every host ends with exit 75 (saved,
+    # not done), the other one with one line that says how to go on, and no traceback.
     args = [*FAST, "--checkpoint-dir", tmp_path / "ck"]
     with hosts.Hosts(2) as on:
         job = Job(on, tmp_path, launch_sh(*args), env={"NNODES": "1:2", **ELASTIC})
@@ -275,7 +267,7 @@ def test_a_spot_notice_on_the_rendezvous_host_ends_the_job_saved_on_every_host(t
         on.kill(0)
         codes = job.wait(60)
         seconds = time.monotonic() - noticed
-    assert codes == [0, 0] and seconds < 30, (seconds, job.report())
+    assert codes == [75, 75] and seconds < 30, (seconds, job.report())
     assert "stopped by SIGTERM at epoch 2 step" in job.out(0), job.report()
     assert (
         f"train_ddp.py: the node that hosts the rendezvous ({on.address(0)}:{PORT}) got a SIGTERM and left, and the "
@@ -299,7 +291,7 @@ def test_a_cancelled_elastic_job_ends_on_every_host_within_a_minute(tmp_path):
         cancelled = time.monotonic()
         codes = job.wait(60)
         seconds = time.monotonic() - cancelled
-    assert codes == [143, 143] and seconds < 60, (seconds, job.report())
+    assert codes == [75, 75] and seconds < 60, (seconds, job.report())
     assert "stopped by SIGTERM at epoch 2 step" in job.out(0), job.report()
     assert "Traceback" not in job.err(0) + job.err(1), job.report()
     checkpoint = load(tmp_path / "ck" / "last.pt")
@@ -327,7 +319,7 @@ def test_a_node_that_leaves_stops_a_worker_still_starting(tmp_path):
             assert time.monotonic() < deadline, job.report()
             time.sleep(0.05)
         job.procs[1].send_signal(signal.SIGTERM)  # to host 1's launch.sh alone, while its worker starts
-        assert job.wait(180) == [0, 143], job.report()
+        assert job.wait(180) == [0, 75], job.report()
     # Its worker took the SIGTERM: host 1 left, and host 0 went on alone.
     assert "another node left the elastic job" in job.err(0), job.report()
     assert load(tmp_path / "ck" / "last.pt")["world_size"] == 1
@@ -376,46 +368,69 @@ def test_a_host_that_joins_never_ends_the_job_of_the_others(tmp_path):
 TRAINJOB_HOST = "trainjob-node-0-0.trainjob"  # Kubeflow's PET_MASTER_ADDR: pod 0 in the JobSet's headless service
 
 
-def trainjob_hosts_files():
-    """Each pod's /etc/hosts: the pods by name, and pod 0 by the service's name too."""
+def trainjob_hosts_files(names_pod_0=(0, 1)):
+    """Each pod's /etc/hosts: the pods by name, and pod 0 by the service's name too where names_pod_0 says."""
     names = "".join(f"{hosts.SUBNET}.{i + 1} host{i}\n" for i in range(2))
-    return {i: f"127.0.0.1 localhost\n{names}{hosts.SUBNET}.1 {TRAINJOB_HOST}\n" for i in range(2)}
+    return {i: f"127.0.0.1 localhost\n{names}" + (f"{hosts.SUBNET}.1 {TRAINJOB_HOST}\n" if i in names_pod_0 else "")
+            for i in range(2)}
 
 
-def kubeflow_variables(i):
-    """What Kubeflow Trainer's torch runtime sets in pod i of a 2-node TrainJob, and nothing else."""
+def trainjob_pod(i):
+    """What a pod of docs/launching.md's 2-node TrainJob has: the variables Kubeflow Trainer's torch runtime and
+    Kubernetes set, and the recipe's RUN_ID, the JobSet's uid."""
     return {"PET_NNODES": 2, "PET_NPROC_PER_NODE": 1, "PET_NODE_RANK": i, "PET_MASTER_ADDR": TRAINJOB_HOST,
-            "PET_MASTER_PORT": PORT}
+            "PET_MASTER_PORT": PORT, "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": 443,
+            "RUN_ID": "3f1c2a4e-9b7d-4c65-8e21-5d0a6b7c8f90"}
 
 
-def test_a_trainjobs_pods_train_with_launch_sh_and_stop_on_sigterm(tmp_path):
-    # `exec bash launch.sh 1` in each pod, as docs/launching.md's TrainJob runs it: torchrun read the PET_*
-    # variables behind --standalone's back, and each pod waited for 2 nodes on its own localhost. Then a delete:
-    # Kubernetes sends SIGTERM to each pod's first process, launch.sh, and the job saves and ends.
-    files = trainjob_hosts_files()
-    args = [*FAST, "--epochs", "3", "--checkpoint-dir", tmp_path / "ck"]
-    with hosts.Hosts(2, hosts_files=files) as on:
-        job = Job(on, tmp_path, launch_sh(*args), variables=kubeflow_variables)
-        job.wait_for("epoch 1/3 step 4/16")
-        for proc in job.procs:
-            proc.send_signal(signal.SIGTERM)
-        deleted = time.monotonic()
+def test_a_trainjob_pod_evicted_stops_both_pods_saved_and_new_pods_resume_to_the_end(tmp_path):
+    # A drain evicts pod 1: Kubernetes sends SIGTERM to its first process, launch.sh. The ranks of both pods save at
+    # one step and exit 75, not 0, which would make the pods Succeeded and the TrainJob Complete, half-trained. The
+    # Job makes new pods (here the same launchers again), which find the job's last.pt by RUN_ID and go on.
+    args = [*FAST, "--epochs", "2", "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl"]
+    with hosts.Hosts(2, hosts_files=trainjob_hosts_files()) as on:
+        job = Job(on, tmp_path, launch_sh(*args), variables=trainjob_pod)
+        job.wait_for("epoch 1/2 step 4/16")
+        job.procs[1].send_signal(signal.SIGTERM)
+        evicted = time.monotonic()
         codes = job.wait(60)
-        seconds = time.monotonic() - deleted
-    assert codes == [0, 0], job.report()
-    assert "2 x cpu (gloo)" in job.out(0) and "stopped by SIGTERM at epoch 1 step" in job.out(0), job.report()
-    checkpoint = load(tmp_path / "ck" / "last.pt")
-    assert (checkpoint["epoch"], checkpoint["world_size"]) == (0, 2) and checkpoint["step"] >= 4
+        seconds = time.monotonic() - evicted
+        saved = load(tmp_path / "ck" / "last.pt")
+        for i in 0, 1:
+            job.restart(i)
+        assert job.wait(180) == [0, 0], job.report()
+    assert codes == [75, 75], job.report()
+    assert "stopped by SIGTERM at epoch 1 step" in job.out(0) and saved["step"] >= 4, job.report()
+    assert f"resumed from {tmp_path / 'ck' / 'last.pt'} at epoch 1 step {saved['step']}" in job.out(0), job.report()
+    assert [r["epoch"] for r in metrics(tmp_path / "m.jsonl")] == [1, 2]
+    assert "Traceback" not in job.err(0) + job.err(1), job.report()
     print(f"a TrainJob's pods ended {seconds:.1f} s after the SIGTERM")  # docs/launching.md's figure
+
+
+def test_trainjob_pods_minutes_apart_wait_for_pod_0s_name_and_train(tmp_path):
+    # JobSet starts pods in any order, and pod 0's name resolves only once pod 0 has an address; a cold node pulls the
+    # image for minutes. Pod 1 exited 2 at once on the name, and the nodes waited 60 s for each other: now it waits
+    # for the name, and both wait as torchrun would, 600 s.
+    args = [*FAST, "--epochs", "1", "--checkpoint-dir", tmp_path / "ck"]
+    with hosts.Hosts(2, hosts_files=trainjob_hosts_files(names_pod_0=[0])) as on:
+        job = Job(on, tmp_path, launch_sh(*args), variables=trainjob_pod, absent=[0])
+        deadline = time.monotonic() + 30
+        while "does not resolve yet; waiting" not in job.err(1):
+            assert time.monotonic() < deadline and job.procs[1].poll() is None, job.report()
+            time.sleep(0.2)
+        time.sleep(65)  # past the 60 s the nodes used to wait
+        (Path("/etc/netns") / on.names[1] / "hosts").write_text(trainjob_hosts_files()[1])
+        job.restart(0)
+        assert job.wait(180) == [0, 0], job.report()  # done: the TrainJob is Complete
+    assert load(tmp_path / "ck" / "last.pt")["world_size"] == 2
 
 
 def test_a_trainjobs_pods_train_with_plain_torchrun(tmp_path):
     # The TrainJob's own command, `torchrun train_ddp.py`: torchrun takes every argument from the PET_* variables.
     command = lambda i: [sys.executable, "-m", "torch.distributed.run", TRAIN, *FAST, "--epochs", "1",
                          "--checkpoint-dir", tmp_path / "ck"]
-    files = trainjob_hosts_files()
-    with hosts.Hosts(2, hosts_files=files) as on:
-        job = Job(on, tmp_path, command, variables=kubeflow_variables)
+    with hosts.Hosts(2, hosts_files=trainjob_hosts_files()) as on:
+        job = Job(on, tmp_path, command, variables=trainjob_pod)
         assert job.wait(120) == [0, 0], job.report()
     assert load(tmp_path / "ck" / "last.pt")["world_size"] == 2
 
@@ -498,11 +513,11 @@ def test_bad_input_on_one_host_is_said_there_and_the_other_stops(tmp_path):
            f"{on.address(0)}:{PORT}, and not all came or could connect (" in line, line
 
 
-def test_a_link_cut_mid_epoch_stops_the_others_and_the_job_resumes(tmp_path, one_host):
+def test_a_link_cut_mid_epoch_stops_the_others_and_the_job_resumes(tmp_path, uninterrupted):
     # The link to host 1 goes down: no reset, its packets vanish. The rank left stops within --collective-timeout
     # with one line; then the job resumes from last.pt, to the weights of a run never interrupted. (A host killed
     # outright closes its connections, and the others fail at once: test_an_elastic_job_that_loses_a_host_...)
-    weights, _ = one_host
+    weights = uninterrupted.weights
     args = [*FAST, "--checkpoint-dir", tmp_path / "ck", "--collective-timeout", "10"]
     with hosts.Hosts(2) as on:
         job = Job(on, tmp_path, launch_sh(*args))
