@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LAUNCH, ROOT, TRAIN, assert_same_weights, clean_env, load, metrics, noise_image, \
+from conftest import FAST, LAUNCH, TRAIN, assert_same_weights, clean_env, load, metrics, noise_image, recipe, \
     write_images
 from tools import hosts
 
@@ -48,7 +48,7 @@ class Job:
         folder.mkdir(exist_ok=True)
         self.on, self.dir, self.began = on, folder, time.monotonic()
         self.command, self.env, self.per_host = command, env or {}, per_host or {}
-        self.variables = variables or (lambda i: {"NNODES": len(on.names), "NODE_RANK": i,
+        self.variables = variables or (lambda i: {"NNODES": len(on.names), "NODE_RANK": i, "RUN_ID": "job",
                                                   "MASTER_ADDR": on.address(0), "MASTER_PORT": PORT})
         self.procs = [None if i in absent else self.start(i, "w") for i in range(len(on.names))]
 
@@ -196,7 +196,8 @@ def test_an_elastic_job_starts_when_master_addr_is_node_0s_name_on_loopback_ther
         assert job.wait(180) == [0, 0], job.report()
     assert f"launch.sh: this node hosts the rendezvous at host0:{PORT}, and must stay" in job.err(0), job.report()
     assert "launch.sh: GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in job.err(0), job.report()
-    assert f"launch.sh: joining the rendezvous at host0:{PORT}, which another node hosts" in job.err(1), job.report()
+    assert f"launch.sh: waiting for the rendezvous at host0:{PORT}, which another node hosts" in job.err(1), \
+        job.report()
     assert load(tmp_path / "ck" / "last.pt")["epoch"] == 1
 
 
@@ -326,8 +327,8 @@ def test_a_node_that_leaves_stops_a_worker_still_starting(tmp_path):
 
 
 def test_two_launchers_on_one_machine_host_and_join_one_elastic_job(tmp_path):
-    # A first try of an elastic job, on one machine: each launcher found that it held MASTER_ADDR and took itself
-    # for the rendezvous host; the second's torchrun could not bind the port, and failed with a traceback.
+    # A first try of an elastic job, on one machine, as docs/launching.md gives it: both launchers hold MASTER_ADDR,
+    # and the second, told RDZV_HOST=0, joins the rendezvous of the first.
     args = [*FAST, "--epochs", "1", "--checkpoint-dir", tmp_path / "ck"]
     env = clean_env(NNODES="1:2", MASTER_ADDR=hosts.SUBNET + ".1", MASTER_PORT=PORT, **ELASTIC)
     with hosts.Hosts(1) as on:
@@ -338,11 +339,12 @@ def test_two_launchers_on_one_machine_host_and_join_one_elastic_job(tmp_path):
             assert time.monotonic() < deadline and first.poll() is None, (tmp_path / "launcher0.err").read_text()
             time.sleep(0.1)
         time.sleep(3)  # its torchrun listening
-        second = on.start(0, ["bash", LAUNCH, "1", *args], env, stdout=subprocess.DEVNULL, stderr=outputs[1])
+        second = on.start(0, ["bash", LAUNCH, "1", *args], {**env, "RDZV_HOST": "0"}, stdout=subprocess.DEVNULL,
+                          stderr=outputs[1])
         codes = [proc.wait(timeout=180) for proc in (first, second)]
     errors = [(tmp_path / f"launcher{i}.err").read_text() for i in range(2)]
     assert codes == [0, 0], errors
-    assert f"launch.sh: joining the rendezvous at {hosts.SUBNET}.1:{PORT}" in errors[1], errors[1]
+    assert f"launch.sh: waiting for the rendezvous at {hosts.SUBNET}.1:{PORT}" in errors[1], errors[1]
     assert load(tmp_path / "ck" / "last.pt")["world_size"] == 2
 
 
@@ -415,7 +417,7 @@ def test_trainjob_pods_minutes_apart_wait_for_pod_0s_name_and_train(tmp_path):
     with hosts.Hosts(2, hosts_files=trainjob_hosts_files(names_pod_0=[0])) as on:
         job = Job(on, tmp_path, launch_sh(*args), variables=trainjob_pod, absent=[0])
         deadline = time.monotonic() + 30
-        while "does not resolve yet; waiting" not in job.err(1):
+        while f"waiting for the rendezvous at {TRAINJOB_HOST}:{PORT}" not in job.err(1):
             assert time.monotonic() < deadline and job.procs[1].poll() is None, job.report()
             time.sleep(0.2)
         time.sleep(65)  # past the 60 s the nodes used to wait
@@ -436,18 +438,21 @@ def test_a_trainjobs_pods_train_with_plain_torchrun(tmp_path):
 
 
 def test_the_skypilot_recipe_trains_on_two_hosts(tmp_path):
-    # docs/launching.md's SkyPilot `run:` line, with the variables SkyPilot sets on each node.
-    recipe = ('MASTER_ADDR=$(echo "$SKYPILOT_NODE_IPS" | head -n 1) NNODES=$SKYPILOT_NUM_NODES '
-              'NODE_RANK=$SKYPILOT_NODE_RANK bash launch.sh "$SKYPILOT_NUM_GPUS_PER_NODE"')
-    command = lambda i: ["bash", "-c", recipe + ' "$@"', "bash", *FAST, "--epochs", "1", "--checkpoint-dir",
-                         tmp_path / "ck"]
+    # docs/launching.md's SkyPilot run: lines, with the variables SkyPilot sets on each node and this test's
+    # arguments for the recipe's; RUN_ID is launch.sh's default, SKYPILOT_TASK_ID.
+    run = recipe("job_recovery")["run"]
+    documented = "--data /data/imagenet --checkpoint-dir /checkpoints --save-every 500"
+    assert run.strip().endswith(documented), run
+    command = lambda i: ["bash", "-c", run.replace(documented, '"$@"'), "bash", *FAST, "--epochs", "1",
+                         "--checkpoint-dir", tmp_path / "ck"]
     with hosts.Hosts(2) as on:
         variables = lambda i: {"SKYPILOT_NODE_IPS": f"{on.address(0)}\n{on.address(1)}", "SKYPILOT_NODE_RANK": i,
-                               "SKYPILOT_NUM_NODES": 2, "SKYPILOT_NUM_GPUS_PER_NODE": 1}
+                               "SKYPILOT_NUM_NODES": 2, "SKYPILOT_NUM_GPUS_PER_NODE": 1,
+                               "SKYPILOT_TASK_ID": "sky-managed-2026-12-07-01-20-00-123456_resnet50_17-0"}
         job = Job(on, tmp_path, command, variables=variables)
         assert job.wait(120) == [0, 0], job.report()
-    assert load(tmp_path / "ck" / "last.pt")["world_size"] == 2
-    assert recipe in (ROOT / "docs" / "launching.md").read_text()
+    saved = load(tmp_path / "ck" / "last.pt")
+    assert saved["world_size"] == 2 and saved["run_id"].startswith("sky-managed-"), saved["run_id"]
 
 
 def test_launch_sh_trains_on_a_machine_whose_own_name_does_not_resolve(tmp_path):
@@ -539,7 +544,8 @@ def test_a_link_cut_mid_epoch_stops_the_others_and_the_job_resumes(tmp_path, uni
 
 def test_a_host_that_never_comes_stops_the_other_within_init_timeout(tmp_path):
     with hosts.Hosts(2) as on:
-        env = clean_env(NNODES=2, NODE_RANK=0, MASTER_ADDR=on.address(0), MASTER_PORT=PORT, INIT_TIMEOUT=5)
+        env = clean_env(NNODES=2, NODE_RANK=0, RUN_ID="a", MASTER_ADDR=on.address(0), MASTER_PORT=PORT,
+                        INIT_TIMEOUT=5)
         began = time.monotonic()
         proc = on.start(0, ["bash", LAUNCH, "1", *FAST, "--checkpoint-dir", tmp_path], env, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(TRAIN))
