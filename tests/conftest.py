@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+import yaml
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]  # the repo root, where the scripts under test run
@@ -196,3 +197,10 @@ def resume_and_compare(folder, uninterrupted):
     assert steps[0] == (str(saved["epoch"] + 1), str(saved["step"] + 4 - saved["step"] % 4)), steps  # logged every 4
     assert [r["epoch"] for r in metrics(folder / "resumed.jsonl")] == list(range(saved["epoch"] + 1, 3))
     assert_same_weights(load(folder / "last.pt")["model"], uninterrupted.weights)
+
+
+def recipe(marker):
+    """The one YAML block of docs/launching.md that holds `marker`, parsed: what users copy."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "launching.md").read_text(), re.S)
+    (found,) = [block for block in blocks if marker in block]
+    return yaml.safe_load(found)
