@@ -131,16 +131,16 @@ on_signal() {  # before torchrun, nothing to save: stop now; after, the workers 
     fi
     if [[ -n $signalled && $1 == INT ]]; then
         kill -KILL "$torchrun_pid" $(children "$torchrun_pid") 2>/dev/null || true  # last.pt stays
+        echo "launch.sh: stopped at once by a second Ctrl-C; the last save is kept" >&2
         exit 130
     fi
     signalled=${signalled:-$1}
 }
 
 stop() {  # to the workers each second, as one that starts late ignores it until its first line
-    local workers
     # An elastic node that leaves: its torchrun, stopped, starts no worker the signals miss, nor
     # takes their exit for the job's end, which would end the rendezvous for every node.
-    local leave=$(( elastic && !RDZV_HOST ))
+    local workers leave=$(( elastic && !RDZV_HOST ))
     kill -STOP "$torchrun_pid"
     [[ -n $(children "$torchrun_pid") ]] || leave=1  # still in its rendezvous: nothing to save
     (( leave )) || kill -CONT "$torchrun_pid"
