@@ -1,9 +1,7 @@
-"""train_ddp.py's checks and safety nets, which a reader of its story can skip, in this order:
-one-line failures; argument, file and --weights checks; the image reader; the device and process
-group (NCCL's settings, failures); the ranks' agreement to stop; batch norm's recalibration, the
-checkpoint writer, PowerSGD on gloo. What gathers or reduces says so: every rank must call it."""
+"""train_ddp.py's checks and safety nets, which a reader of its story can skip, in its order:
+one-line failures; checks of arguments, files, --weights; the image reader; device, process group;
+the ranks' stop agreement; batch norm, checkpoints, PowerSGD. What gathers says so: all call it."""
 import datetime
-import math
 import os
 import shutil
 import signal
@@ -24,8 +22,7 @@ from torchvision.transforms import v2
 
 import gather_utils
 
-CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "epoch", "samples", "step", "world_size", "args",
-                   "rng"}
+CHECKPOINT_KEYS = set("model optimizer scaler epoch samples step world_size args rng".split())
 BN_IMAGES = 1024  # the images, over all ranks, that recompute batch norm's statistics each epoch
 EXIT_STOPPED = 75  # sysexits.h's EX_TEMPFAIL, "try again later": stopped, saved, not done
 ELASTIC_WAIT = 10  # torchrun's agent polls workers and joining nodes every 0.1 s (5 s on torch 2.3)
@@ -36,24 +33,23 @@ NCCL_SIGNAL_KEYS = ["exception_dump", "timeout_dump"]
 NCCL2_FAILURES = ("NCCL operation timed out", "NCCL Async Error", "NCCL communicator was aborted")
 # gloo's errors name their transport's file, but a receive's timeout, as DDP's backward sees it
 GLOO_FAILURES = ("gloo/transport", "Application timeout caused pair closure")
+# (major, minor): NGC's builds, 2.11.0a0+git..., are 2.11, which TorchVersion takes for older
+TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
 # The flight recorder's dump path, under each name torch reads: the first one set wins
 # (c10d/Utils.hpp, getCvarString). Torch before 2.11 reads the older name alone.
 TRACE_FILE_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-if torch.__version__ < (2, 11):
+if TORCH_RELEASE < (2, 11):
     TRACE_FILE_NAMES = TRACE_FILE_NAMES[::-1]
-
 
 def say(line):
     """A line on stderr in one write, which other ranks' lines cannot split."""
     sys.stderr.write(f"train_ddp.py: {line}\n")
-
 
 def fail(message, code=2):
     """Bad input (exit 2), or a verdict on what all ranks gathered (1): said once per machine."""
     if env_local_rank() == 0:
         say(f"error: {message}")
     sys.exit(code)
-
 
 def rank_error(message, code=1, at_once=False):
     """An error of this rank's own, which the others may not see: each rank says it."""
@@ -63,15 +59,12 @@ def rank_error(message, code=1, at_once=False):
         os._exit(code)  # no clean-up, which a broken process group can block (collective_failed)
     sys.exit(code)
 
-
 def first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
 
 def env_local_rank():
     """This process's rank on its machine, known before the process group exists."""
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-
 
 def world_from_env():
     """Rank, world size: torchrun's, else srun's (only a task has SLURM_STEP_ID), else 0, 1."""
@@ -81,17 +74,16 @@ def world_from_env():
         return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     return 0, 1
 
-
 def stop_on_problems(problem):
     """Gathers: if any rank has a problem, all exit 1 together, not leaving the others waiting."""
-    failed = [rank for rank, other in enumerate(gather_utils.all_gather_object(problem)) if other]
+    problems = gather_utils.all_gather_object(problem)
+    failed = [rank for rank, other in enumerate(problems) if other]
     if problem:
         rank_error(problem)
     if failed:
         if dist.get_rank() == 0:
             say(f"error: rank 0: stopping: rank {', '.join(map(str, failed))} failed (see above)")
         sys.exit(1)
-
 
 def load_file(path, flag, what):
     if not Path(path).is_file():
@@ -101,19 +93,18 @@ def load_file(path, flag, what):
     except Exception as e:
         fail(f"{flag} {path}: not a readable {what} ({type(e).__name__}: {first_line(e)})")
 
-
 def last_checkpoint(args):
     return Path(args.checkpoint_dir) / "last.pt"
-
 
 def settle_args(args, device_defaults):
     """The arguments completed (named --weights' recipe sizes, else the device's), then checked."""
     args.image_size_given = args.image_size is not None
     weights = named_weights(args)
-    args.weights_url = weights and weights.url  # where weights_for fetches named weights from
+    args.weights_url = weights and weights.url  # where weights_file fetches named weights from
     if weights and args.image_size is None:
         recipe = weights.transforms()
-        args.image_size, args.resize = recipe.crop_size[0], recipe.resize_size[0]
+        args.image_size = recipe.crop_size[0]
+        args.resize = recipe.resize_size[0]
         args.interpolation = recipe.interpolation.value
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in device_defaults[device_type].items():
@@ -124,7 +115,6 @@ def settle_args(args, device_defaults):
         args.backend = "nccl" if device_type == "cuda" else "gloo"
     check_args(args)
     return args
-
 
 def check_args(args):
     """Reject bad input before any process group exists, so that nothing can hang on it."""
@@ -143,7 +133,8 @@ def check_args(args):
     if args.sync_bn and not torch.cuda.is_available():
         fail("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); drop it on CPUs")
     # torch's count of GPUs heeds MIG and masks; srun's tasks may each see a GPU of their own.
-    gpus, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    gpus = torch.cuda.device_count()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     if gpus and processes > gpus:
         fail(f"{processes} processes on this machine but only {gpus} GPUs are visible; start at "
              "most one process per GPU")
@@ -159,8 +150,12 @@ def check_args(args):
     model = meta_model(args)  # after --data's check: the classes are its folders
     if model is not None:  # None for the regnets: not checked
         check_arch_trains(model, args)
-        if args.weights:  # named ones downloaded here: by launch.sh's dry run, once per machine
-            weights_for(model, args)
+    if args.weights and args.dry_run:  # (training checks them as it loads them: build_model)
+        path, problem = weights_file(args)  # named ones downloaded here, once per machine
+        if problem:
+            fail(problem)
+        if model is not None:
+            weights_for(model, path, args)
     check_writable(Path(args.checkpoint_dir), "--checkpoint-dir")
     if args.profile:
         check_writable(Path(args.profile), "--profile")
@@ -175,7 +170,6 @@ def check_args(args):
             fail(f"--metrics-file {args.metrics_file}: a directory; expected a file to append to")
         check_writable(Path(args.metrics_file).parent, "--metrics-file")
 
-
 def meta_model(args):
     """This run's model on the meta device, or None for the regnets, which compute as they build."""
     with torch.device("meta"), warnings.catch_warnings():
@@ -185,32 +179,28 @@ def meta_model(args):
         except NotImplementedError:
             return None
 
-
 def check_arch_trains(model, args):
     """Fail where `model` cannot train at this image size and batch, or returns more than logits."""
-    hint, batch = "a larger --image-size or another --arch", 2
-    # Batch norm needs 2 values per channel; --sync-bn's come from every rank, which a dry run
-    # (launch.sh's) cannot count: there each rank checks again.
-    sync_over_ranks = args.sync_bn and (args.dry_run or world_from_env()[1] > 1)
-    if args.batch_size == 1 and not sync_over_ranks:
-        hint, batch = "--batch-size 2 or more, " + hint, 1
-    images = torch.empty(batch, 3, args.image_size, args.image_size, device="meta")
+    # Batch norm trains on 2 values per channel or more: a batch of 1 has them where --sync-bn
+    # gathers several ranks' batches (a dry run cannot count the ranks; each rank checks again).
+    gathers = args.sync_bn and (args.dry_run or world_from_env()[1] > 1)
+    alone = args.batch_size == 1 and not gathers
+    hint = "--batch-size 2 or more, " if alone else ""
+    images = torch.empty(1 if alone else 2, 3, args.image_size, args.image_size, device="meta")
     try:
         out = model.train(not args.evaluate)(images)
     except Exception as e:
         fail(f"--arch {args.arch} cannot train on {args.image_size} px images "
-             f"({type(e).__name__}: {first_line(e)}); expected {hint}")
+             f"({type(e).__name__}: {first_line(e)}); expected {hint}a larger --image-size or "
+             "another --arch")
     if not isinstance(out, torch.Tensor):
-        fail(f"--arch {args.arch} returns {type(out).__name__}, not logits; expected another "
-             "--arch")
-
+        fail(f"--arch {args.arch} returns {type(out).__name__}, not logits; expected another arch")
 
 def check_writable(directory, flag):
     """Fail now rather than at the first save, after an epoch of training."""
     existing = next(d for d in [directory, *directory.parents] if d.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         fail(f"{flag}: cannot write under {existing}; expected a writable directory")
-
 
 def check_image_folder(root):
     if not root.is_dir():
@@ -220,11 +210,11 @@ def check_image_folder(root):
         if not any(name.endswith(torchvision.datasets.folder.IMG_EXTENSIONS) for name in files):
             fail(f"--data {root}: {root / split} holds no images; "
                  f"expected {root / split}/<class>/<image>.jpg")
-    train, val = [{d.name for d in (root / s).iterdir() if d.is_dir()} for s in ["train", "val"]]
+    train = {d.name for d in (root / "train").iterdir() if d.is_dir()}
+    val = {d.name for d in (root / "val").iterdir() if d.is_dir()}
     if train != val:
         fail(f"--data {root}: train/ and val/ must hold the same class folders, or the labels "
              f"differ (only in train/: {sorted(train - val)}; only in val/: {sorted(val - train)})")
-
 
 def check_checkpoint(checkpoint, path, args):
     """A train_ddp.py checkpoint for this model and classes (the regnets' are not checked)."""
@@ -236,14 +226,12 @@ def check_checkpoint(checkpoint, path, args):
              f"{args.arch}")
     model = meta_model(args)
     if model is not None:
-        fit(checkpoint["model"], model, args, f"--resume {path}", new_allowed=False)
-
+        fitted_state_dict(checkpoint["model"], model, args, f"--resume {path}", new_allowed=False)
 
 def num_classes(args):
     if args.data:
         return len(torchvision.datasets.folder.find_classes(Path(args.data) / "train")[0])
     return args.num_classes
-
 
 def named_weights(args):
     """The torchvision weights --weights names (DEFAULT, ResNet50_Weights.DEFAULT), or None."""
@@ -256,32 +244,37 @@ def named_weights(args):
              f"expected a file or one of {', '.join(kinds.__members__)}")
     return kinds[name]
 
+def weights_file(args):
+    """(--weights' file, None): named weights from the hub cache, downloaded if absent (safe on
+    ranks at once: torch.hub renames its file); or (None, the line) where it cannot be had."""
+    if not args.weights_url:
+        return Path(args.weights), None
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(args.weights_url)
+    try:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(args.weights_url, str(path), progress=False)
+    except Exception as e:
+        return None, (f"--weights {args.weights}: could not download {args.weights_url} "
+                      f"({type(e).__name__}: {e}); without a network, place that file at {path}, "
+                      "or pass --weights PATH to a state dict")
+    return path, None
 
-def weights_for(model, args):
-    """--weights' state dict for `model`, and the layers left new (see fit). Named weights come
-    from the hub cache, downloaded if absent: safe on ranks at once (torch.hub renames its file)."""
-    path = Path(args.weights)
-    if args.weights_url:
-        path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(args.weights_url)
-        try:
-            if not path.is_file():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.hub.download_url_to_file(args.weights_url, str(path), progress=False)
-        except Exception as e:
-            fail(f"--weights {args.weights}: could not download {args.weights_url} "
-                 f"({type(e).__name__}: {e}); without a network, place that file at {path}, or "
-                 "pass --weights PATH to a state dict")
+def weights_for(model, path, args):
+    """The state dict in --weights' file for `model`, and the layers it leaves new."""
     state = load_file(path, "--weights", "state dict")  # a bad file: one line
     if isinstance(state, dict) and "model" in state:  # a last.pt
         state = state["model"]
-    if args.evaluate:  # it would validate a classifier made at random
-        return fit(state, model, args, f"--evaluate --weights {args.weights}", new_allowed=False)
-    return fit(state, model, args, f"--weights {args.weights}", new_allowed=True)
+    source = f"--weights {args.weights}"
+    if args.evaluate:
+        source = "--evaluate " + source
+    # --evaluate takes no new layer: it would validate a classifier made at random.
+    return fitted_state_dict(state, model, args, source, new_allowed=not args.evaluate)
 
-
-def fit(state, model, args, source, new_allowed):
+def fitted_state_dict(state, model, args, source, new_allowed):
     """`state` completed for `model`, and the layers left new (a classifier for other classes)."""
-    own, theirs = model.state_dict(), set(state) if isinstance(state, dict) else set()
+    own = model.state_dict()
+    theirs = set(state) if isinstance(state, dict) else set()
     # num_batches_tracked: weights saved before torch 0.4.1 lack it.
     missing = {key for key in own.keys() - theirs if not key.endswith("num_batches_tracked")}
     if missing or theirs - own.keys():
@@ -299,10 +292,8 @@ def fit(state, model, args, source, new_allowed):
              "class folders of --data)")
     return {**state, **{key: own[key] for key in new}}, new_layers
 
-
 class UnreadableImage(Exception):
     """A file of --data that no decoder can read: damaged, truncated, or not an image."""
-
 
 def read_image(path):
     """A file as RGB uint8: torchvision.io decodes (JPEG in a third of PIL's time), else PIL."""
@@ -315,7 +306,6 @@ def read_image(path):
             raise UnreadableImage(f"{path} ({type(e).__name__}: {str(e).strip()})") from None
     return v2.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit ones scaled, uint8 kept
 
-
 def read_or_problem(read):
     """(read(), None), or (None, the line) if it met an image it cannot read, also in a worker."""
     try:
@@ -323,7 +313,6 @@ def read_or_problem(read):
     except UnreadableImage as e:
         path = str(e).rsplit("UnreadableImage: ", 1)[-1].strip()  # a worker's text ends with ours
         return None, f"cannot read {path}; remove or replace that file"
-
 
 def gpu_index(local_rank):
     """The GPU this process takes: its local rank's, or the only one it sees (an srun task's)."""
@@ -333,7 +322,6 @@ def gpu_index(local_rank):
         rank_error(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are "
                    "visible; start at most one process per GPU", code=2)
     return local_rank
-
 
 def raise_nccl_timeouts(args):
     """A collective past --collective-timeout dumps each rank's flight recorder by the checkpoints
@@ -347,17 +335,16 @@ def raise_nccl_timeouts(args):
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2" if handling == "1" else handling
     trace = str(Path(args.checkpoint_dir).resolve() / "nccl_trace_rank_")
     settings = [(TRACE_FILE_NAMES, trace)]  # from torch 2.11 it records and dumps by default
-    if torch.__version__ < (2, 11):
+    if TORCH_RELEASE < (2, 11):
         settings += [(("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
                      (("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT"), "1")]
     for names, value in settings:  # the user's value, else ours, under the name torch reads first
         os.environ[names[0]] = next((os.environ[n] for n in names if n in os.environ), value)
 
-
 def store_of_this_attempt(store):
-    """torchrun's store outlives a restart (MAX_RESTARTS) with its keys, which would hang the group:
-    a prefix per attempt. The old ProcessGroupNCCL's failure signal beneath every prefix would make
-    the next attempt dump and abort: deleted. launch.sh's elastic job has a new store each round."""
+    """torchrun's store, whose keys a restart (MAX_RESTARTS) would meet again and hang on, under a
+    prefix per attempt; without the old ProcessGroupNCCL's failure signals, beneath every prefix,
+    on which the next attempt would dump and abort. An elastic job makes a store each round."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return store
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
@@ -365,7 +352,6 @@ def store_of_this_attempt(store):
         for key in NCCL_SIGNAL_KEYS:
             store.delete_key(key)
     return dist.PrefixStore(f"attempt_{attempt}", store)
-
 
 def init_failure(error, args, world_size):
     if isinstance(error, ValueError):  # MASTER_ADDR or MASTER_PORT unset or not a number
@@ -383,12 +369,10 @@ def init_failure(error, args, world_size):
             f"expected WORLD_SIZE={world_size} ranks at {os.environ.get('MASTER_ADDR')}:"
             f"{os.environ.get('MASTER_PORT')}, and not all came or could connect ({reason})")
 
-
 def set_collective_timeout(seconds):
     # torch before 2.12 has dist.set_timeout under a private name only.
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     set_timeout(datetime.timedelta(seconds=seconds))
-
 
 def collective_failed(error, args):
     """A rank is gone: one line from each rank, naming its flight recorder's dump on NCCL, and
@@ -405,15 +389,17 @@ def collective_failed(error, args):
                f"--collective-timeout {args.collective_timeout:g} s; look for its own error "
                f"({first_line(error)})" + (recorded if trace.is_file() else ""), at_once=True)
 
-
 def check_same_start(checkpoint):
     """Every rank must resume from one place (nodes' own disks may hold different checkpoints), or
-    they run different numbers of steps and hang; DDP broadcasts rank 0's weights. Gathers."""
+    they run different numbers of steps and hang; DDP broadcasts rank 0's weights. Compares the
+    epoch, step, images trained and run id of each rank's checkpoint, not its weights. Gathers."""
     start = "a fresh start"
     if checkpoint is not None:
         start = "epoch {epoch} step {step}, samples {samples}".format_map(checkpoint)
+        start += f", run id {checkpoint.get('run_id')}"
+    starts = gather_utils.all_gather_object(start)
     ranks_by_start = {}
-    for rank, other in enumerate(gather_utils.all_gather_object(start)):
+    for rank, other in enumerate(starts):
         ranks_by_start.setdefault(other, []).append(str(rank))
     if len(ranks_by_start) > 1:
         where = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {text}"
@@ -421,14 +407,18 @@ def check_same_start(checkpoint):
         fail(f"the ranks would resume from different checkpoints ({where}); give every node the "
              "same --resume file, and a --checkpoint-dir they all see (a shared filesystem)")
 
+def check_finite(finite, what, run, args):
+    """Stop where training diverged, with what is not finite: every rank together, as it checks a
+    loss averaged over ranks, or weights that DDP keeps equal: no save holds non-finite weights."""
+    if not finite:
+        fail(f"{what} at epoch {run.epoch + 1} step {run.step}: training diverged; lower --lr "
+             f"({args.lr:g} now) or check the data; {last_checkpoint(args)} keeps the last save",
+             code=1)
 
-def check_finite_loss(loss, run, args):
-    """A loss averaged over ranks, so that every rank stops here together when it is not finite."""
-    if not math.isfinite(loss):
-        fail(f"the loss is {loss} at epoch {run.epoch + 1} step {run.step}: training diverged; "
-             f"lower --lr ({args.lr:g} now) or check the data; {last_checkpoint(args)} is "
-             "unchanged", code=1)
-
+def check_finite_weights(run, args):
+    tensors = [t for t in run.model_without_ddp.state_dict().values() if t.is_floating_point()]
+    finite = torch.stack([t.isfinite().all() for t in tensors]).all()  # batch norm's statistics too
+    check_finite(bool(finite), "the weights are not finite", run, args)  # waits for the device
 
 class StopAgreement:
     """SLURM and Kubernetes send SIGTERM before they kill a job, a terminal's Ctrl-C SIGINT. The
@@ -440,7 +430,9 @@ class StopAgreement:
         self.requested = 0  # the first signal's number, set by the handler (in the main thread)
         self.stopped_by = None  # its name, once the ranks agreed to stop for it (or another's)
         self.ending = False  # the signal came to the node that hosts an elastic job's rendezvous
-        self.flags, self.sent, self.problem = torch.zeros(3, dtype=torch.int32), None, None
+        self.flags = torch.zeros(3, dtype=torch.int32)
+        self.sent = None  # the all-reduce of the flags in flight
+        self.problem = None
         signal.signal(signal.SIGTERM, self.note)
         signal.signal(signal.SIGINT, self.note)
 
@@ -471,26 +463,25 @@ class StopAgreement:
         return self.stopped_by is not None
 
     def exit(self, args):
-        """Training done: return, for exit 0. Stopped before the end, saved: exit 75 (EXIT_STOPPED),
-        on which Kubernetes and SkyPilot start the job again; 0 under SLURM, whose afterok chains
-        need it, and under launch.sh, whose torchrun takes any other code for a failure: launch.sh
-        exits 75 for it, told by STOP_FILE. An elastic node's ranks leave first (launching.md)."""
+        """Trained to the end: return, for exit 0. Saved: exit 75 (EXIT_STOPPED), on which
+        Kubernetes and SkyPilot start the job anew; 0 under SLURM (its afterok chains) and
+        launch.sh (whose torchrun takes other codes for failures; told by STOP_FILE, launch.sh exits
+        75). An elastic node's ranks first leave as its agent expects."""
         stop_file = os.environ.get("STOP_FILE")
         if self.stopped_by is None:
-            if stop_file:  # an elastic job's scale-up stopped an earlier round
+            if stop_file:  # an earlier round of an elastic job stopped for a node that came
                 Path(stop_file).unlink(missing_ok=True)
             return
-        self.leave_as_the_elastic_agent_expects(args)
+        if ":" in os.environ.get("NNODES", "") and not self.requested:
+            self.leave_elastic_job(args)
         if stop_file:
             Path(stop_file).touch()
         sys.exit(0 if stop_file or "SLURM_JOB_ID" in os.environ else EXIT_STOPPED)
 
-    def leave_as_the_elastic_agent_expects(self, args):
-        """In an elastic job (NNODES=MIN:MAX), a rank another's SIGTERM stopped waits ELASTIC_WAIT s
-        for its own, which torchrun's agent sends to restart larger; none: a node left, exit 1 (exit
-        0 ends the job: api.py, _invoke_run). The rendezvous host left: the job ends, saved."""
-        if self.requested or ":" not in os.environ.get("NNODES", ""):
-            return
+    def leave_elastic_job(self, args):
+        """A rank another node's SIGTERM stopped waits ELASTIC_WAIT s for its own, which torchrun's
+        agent sends to restart larger; none: that node left, exit 1 (0 would end the job: api.py,
+        _invoke_run). The rendezvous host left: the job ends with it, saved."""
         if self.ending:
             if env_local_rank() == 0:
                 say(f"the node that hosts the rendezvous ({os.environ.get('RDZV_ENDPOINT')}) got a "
@@ -507,7 +498,6 @@ class StopAgreement:
                     f"{ELASTIC_WAIT} s): exit 1, for torchrun to go on without it from last.pt "
                     "(one of MAX_RESTARTS)")
             sys.exit(1)
-
 
 @torch.no_grad()
 def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
@@ -527,7 +517,6 @@ def recalibrate_batch_norm(model, train_set, sampler, args, to_input):
             for stats in norm.running_mean, norm.running_var:  # equal batch counts: a plain mean
                 dist.all_reduce(stats.div_(dist.get_world_size()))
 
-
 class CheckpointWriter(ThreadPoolExecutor):
     """Rank 0's checkpoint writes on a thread as training goes on; leaving `with` waits for them."""
 
@@ -540,7 +529,6 @@ class CheckpointWriter(ThreadPoolExecutor):
             self.written.result()  # one at a time: one copy of the state, however slow the disk
         self.written = self.submit(write_atomically, on_host(state), path)
 
-
 def on_host(value):
     """A host copy of the tensors in nested dicts and lists, which training goes on changing."""
     if isinstance(value, dict):
@@ -551,7 +539,6 @@ def on_host(value):
     if isinstance(value, list):
         return [on_host(item) for item in value]
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-
 
 def write_atomically(state, path):
     """Via last.pt.tmp, fsynced and renamed: a kill at any moment leaves the old file or the new."""
@@ -567,12 +554,10 @@ def write_atomically(state, path):
         say(f"error: rank 0: could not write {path} ({type(e).__name__}: {first_line(e)})")
         os._exit(1)
 
-
 def settle_momentum_buffers(optimizer):
-    """Momentum buffers in their parameters' layout, as fused kernels need, and zeros where a group
-    with momentum has none (from --momentum 0, or parameters without gradients): fused SGD would
-    raise on a partial list, or make them with empty_like, kept if an overflowed first step is
-    skipped (sgd.py, _fused_sgd)."""
+    """Momentum buffers in their parameters' layout, as fused kernels need, and zeros where there
+    are none: fused SGD fails on a partial list, and makes them with empty_like, whose garbage an
+    overflowed first step, skipped, would keep (sgd.py, _fused_sgd)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             buffer = optimizer.state[p].get("momentum_buffer")
@@ -581,10 +566,9 @@ def settle_momentum_buffers(optimizer):
             elif group["momentum"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
-
 def powersgd_hook_for_gloo_too(state, bucket):
-    """torch's PowerSGD hook (two all-reduces per bucket, chained by callbacks); on gloo, which
-    matches collectives by issue order that concurrent buckets scramble, one bucket at a time."""
+    """torch's PowerSGD hook, two all-reduces a bucket chained by callbacks; on gloo, which matches
+    collectives by the order they come in, which concurrent buckets scramble, a bucket at a time."""
     future = powerSGD_hook.powerSGD_hook(state, bucket)
     if dist.get_backend() == "gloo":  # not "cpu:gloo,cuda:nccl", whose gradients go over NCCL
         future.wait()

@@ -53,8 +53,7 @@ ARCHS = torchvision.models.list_models(module=torchvision.models)
 SYNTHETIC_PATTERN, SYNTHETIC_NOISE = 9.6, 48
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # torchvision's weights'
 SMALL_IMAGE_MAX_SIZE = 64  # up to it (CIFAR) images train whole: not random-resized crops of 8%
-COMPILE_TIMEOUT = 1800  # what collectives wait for the ranks' compilation: see wrap_ddp
-
+COMPILE_TIMEOUT = 1800  # what collectives wait for the ranks' compilation: see train_one_epoch
 
 def main(argv=None):
     args = parse_args(argv)  # 1. arguments
@@ -71,7 +70,6 @@ def main(argv=None):
         train_or_evaluate(args, device, resume_from, checkpoint, stop)
     if stop is not None:  # the exit code by which a launcher or scheduler goes on
         stop.exit(args)
-
 
 # ------------------------------------------------------------------------------- 1. arguments
 def parse_args(argv=None):
@@ -119,7 +117,6 @@ def parse_args(argv=None):
     # This device's defaults, or --weights' recipe; then every check that needs no process group.
     return guard.settle_args(p.parse_args(argv), DEVICE_DEFAULTS)
 
-
 # ---------------------------------------------------------------------------------- 2. device
 def setup_device(args):
     # Before any CUDA work: otherwise every rank makes its context and tensors on GPU 0.
@@ -131,7 +128,6 @@ def setup_device(args):
     guard.raise_nccl_timeouts(args)  # read as NCCL starts
     return torch.device("cuda", index)
 
-
 # --------------------------------------------------------------------------- 3. process group
 @contextmanager
 def process_group(args, device):
@@ -142,13 +138,15 @@ def process_group(args, device):
         # Python's exit instead, the group's threads would abort it (docs/troubleshooting.md).
         gc.collect()
         # Every rank reaches the end on each backend (NCCL, gloo): a group destroyed early can hang.
-        for work in [dist.barrier(async_op=True), dist.all_reduce(torch.zeros(1), async_op=True)]:
-            work.wait()
+        # Both issued before either is waited for, as the old torch's exit hang needs (testing.md).
+        barrier = dist.barrier(async_op=True)
+        reduced = dist.all_reduce(torch.zeros(1), async_op=True)
+        barrier.wait()
+        reduced.wait()
     except RuntimeError as e:  # a rank gone (gloo's connections closed or timed out, NCCL's error)
         guard.collective_failed(e, args)  # one line per rank; any other error goes on up
     finally:
         dist.destroy_process_group()
-
 
 def init_distributed(args, device):
     """The ranks meet within --init-timeout (rendezvous and connections), or each says why."""
@@ -172,7 +170,6 @@ def init_distributed(args, device):
         guard.rank_error(guard.init_failure(e, args, world_size))
     guard.set_collective_timeout(args.collective_timeout)
 
-
 # --------------------------------------------------------------- 4. to 7., in the process group
 def train_or_evaluate(args, device, resume_from, checkpoint, stop):
     """A function of its own: the DDP model is freed before process_group() ends the group."""
@@ -188,20 +185,18 @@ def train_or_evaluate(args, device, resume_from, checkpoint, stop):
         metrics = validate(model, val_set, args, to_input)
         append_metrics(args, {"epoch": checkpoint["epoch"] if checkpoint else 0, **metrics})
         return log(json.dumps(metrics))
-    done = 0  # the epochs trained (PowerSGD compresses once the warm-up's are)
-    if checkpoint:
-        done = checkpoint["epoch"] + checkpoint["samples"] / (steps * global_batch)
-    model = wrap_ddp(model, args, device, warmup_steps=round((args.warmup_epochs - done) * steps))
-    optimizer, scaler = build_optimizer(model, args)
-    run = Training(model, optimizer, scaler, steps_per_epoch=steps, images_per_step=global_batch)
+    ddp, trained = wrap_ddp(model, args, device)
+    optimizer, scaler = build_optimizer(ddp, args)
+    run = Training(trained, ddp, ddp.module, optimizer, scaler, steps_per_epoch=steps,
+                   images_per_step=global_batch)
     if checkpoint:
         restore_training_state(checkpoint, run)
         log_resume(resume_from, checkpoint, args, run)
         checkpoint.clear()  # the model and optimizer have what they need: free the rest
+    register_comm_hook(ddp, args, run)
     log_start(args, device, train_set, val_set, run, new_layers)
     with run.writer:  # its end waits for the last checkpoint write, also on an error
         fit(run, train_set, val_set, args, to_input, stop)
-
 
 # ------------------------------------------------------------------------------------ 4. data
 class SyntheticImages(Dataset):
@@ -224,7 +219,6 @@ class SyntheticImages(Dataset):
         image = 128 + SYNTHETIC_PATTERN * self.patterns[label] + SYNTHETIC_NOISE * noise
         return image.round_().clamp_(0, 255).to(torch.uint8), label
 
-
 def build_datasets(args):
     """uint8 images, as the loader's workers hand them over; ModelInput makes them the model's."""
     if not args.data:
@@ -245,17 +239,15 @@ def build_datasets(args):
                                              loader=guard.read_image, allow_empty=True)
             for split, transforms in [("train", train), ("val", val)]]
 
-
 def steps_per_epoch(train_set, global_batch, args):
     """Optimizer steps per epoch: equal on every rank, as DistributedSampler's shards are."""
-    shard = math.ceil(len(train_set) / dist.get_world_size())
-    steps = shard * dist.get_world_size() // global_batch
+    per_rank = math.ceil(len(train_set) / dist.get_world_size())  # a shard, padded by repeats
+    steps = per_rank * dist.get_world_size() // global_batch
     if steps == 0:
         guard.fail(f"the train set ({len(train_set)} images over {dist.get_world_size()} ranks) "
                    f"is smaller than one step of --batch-size {args.batch_size} x --accum-steps "
                    f"{args.accum_steps} per rank")
     return steps
-
 
 # ------------------------------------------------------------------------ 5. model, DDP, hooks
 def build_model(args, checkpoint):
@@ -265,40 +257,38 @@ def build_model(args, checkpoint):
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
     elif args.weights:
-        state, new_layers = guard.weights_for(model, args)
+        path, problem = guard.weights_file(args)
+        guard.stop_on_problems(problem)  # a rank that cannot have them stops every rank
+        state, new_layers = guard.weights_for(model, path, args)
         model.load_state_dict(state)
         return model, new_layers
     return model, []
 
-
-def wrap_ddp(model, args, device, warmup_steps):
+def wrap_ddp(model, args, device):
+    """(DDP around the model, what a step calls: that DDP, or under --compile that DDP compiled)."""
     if args.sync_bn:  # on GPUs only: check_args refuses it without CUDA
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format(args))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    register_comm_hook(ddp, args.comm_hook, warmup_steps)
     if not args.compile:
-        return ddp
+        return ddp, ddp
     # Compiled after DDP wraps it: the graph splits at the gradient buckets, whose all-reduces still
     # overlap the backward (docs/training.md). DDP warns of inductor's gradient strides.
     warnings.filterwarnings("ignore", "Grad strides do not match bucket view strides")
-    # Each rank compiles in its first step, minutes apart where their caches differ: until every
-    # rank has (train_one_epoch's third step), the collectives wait COMPILE_TIMEOUT.
-    guard.set_collective_timeout(COMPILE_TIMEOUT)
-    return torch.compile(ddp)
+    return ddp, torch.compile(ddp)
 
-
-def register_comm_hook(ddp, name, warmup_steps):
-    """Replace DDP's plain all-reduce of gradients by the hook `name` (fp16, bf16, powersgd)."""
-    if name in ("fp16", "bf16"):
-        ddp.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
-    elif name == "powersgd":
-        # Plain all-reduce for the warm-up's steps left, and always the 2 before DDP rebuilds its
-        # buckets; the state keeps the error feedback, which a resume starts again at zero.
+def register_comm_hook(ddp, args, run):
+    """Replace DDP's plain all-reduce of gradients by --comm-hook's (fp16, bf16, powersgd)."""
+    if args.comm_hook in ("fp16", "bf16"):
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
+    elif args.comm_hook == "powersgd":
+        # A plain all-reduce until the warm-up ends, as low-rank gradients slow it down, and always
+        # for the 2 steps before DDP rebuilds its buckets. The error feedback, in the state, starts
+        # again at zero on a resume.
+        warmup_steps = round((args.warmup_epochs - epochs_done(run)) * run.steps_per_epoch)
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=max(2, warmup_steps))
         ddp.register_comm_hook(state, guard.powersgd_hook_for_gloo_too)
-
 
 def build_optimizer(model, args):
     # On GPUs the fused kernel, which also does the GradScaler's inf check on the GPU, not the host.
@@ -308,13 +298,14 @@ def build_optimizer(model, args):
     guard.settle_momentum_buffers(optimizer)  # zeros, not what fused SGD makes if step 1 is skipped
     return optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-
 # -------------------------------------------------------------------------- 6. train, validate
 @dataclass
 class Training:
     """What the loop carries; a checkpoint saves it. Training stands in epoch `epoch` (0-based),
     after the first `samples` images of its order (over all ranks), `step` steps at this layout."""
-    model: DDP
+    model: torch.nn.Module  # what a step calls: ddp, or ddp compiled under --compile
+    ddp: DDP  # whose no_sync() keeps a micro-batch's gradients out of the all-reduce
+    model_without_ddp: torch.nn.Module  # the model itself: what validates and is saved
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # disabled unless --amp fp16
     steps_per_epoch: int  # at this world size and batch
@@ -324,32 +315,36 @@ class Training:
     step: int = 0
     writer: guard.CheckpointWriter = field(default_factory=guard.CheckpointWriter)
 
-
 def fit(run, train_set, val_set, args, to_input, stop):
     """Train from where `run` stands to the last epoch; after each, save last.pt and validate."""
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     epochs = range(run.epoch, args.epochs)
     for epoch in epochs:
-        run.epoch, epoch_start = epoch, time.perf_counter()
+        run.epoch = epoch
+        epoch_start = time.perf_counter()
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Workers seeded by a generator of their own, not from the RNG that a resume restores.
         worker_seed = args.seed + epoch * dist.get_world_size() + dist.get_rank()
         # This rank's indices of the epoch as a list: all of them, or a resume's rest (whole steps).
-        shard, run.step = rest_of_epoch(sampler, run)
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard,
+        indices, run.step = rest_of_epoch(sampler, run)
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=indices,
                             num_workers=args.workers, pin_memory=to_input.device.type == "cuda",
                             drop_last=True, generator=torch.Generator().manual_seed(worker_seed))
-        with profile_steps(run, args, epoch == epochs.start) as profiler:
-            train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop, profiler)
+        first = epoch == epochs.start  # of this process: where --compile compiles
+        with profile_steps(run, args, first) as profiler:
+            train_stats, stopped = train_one_epoch(run, loader, args, to_input, stop, profiler,
+                                                   first)
         if stopped:
             save_checkpoint(run, args)
             where = f"at epoch {epoch + 1} step {run.step}/{run.steps_per_epoch}"
             return log_stop(args, stop, where)
-        run.epoch, run.samples, run.step = epoch + 1, 0, 0
-        guard.recalibrate_batch_norm(run.model.module, train_set, sampler, args, to_input)
+        run.epoch, run.samples, run.step = epoch + 1, 0, 0  # the next epoch's start
+        # Batch norm's running statistics are training's, a blend of many weights: recomputed for
+        # these weights, over every rank, before they are saved and validated (training.md).
+        guard.recalibrate_batch_norm(run.model_without_ddp, train_set, sampler, args, to_input)
         # Saved before validating: a SIGTERM or a kill during validation loses no training.
         save_checkpoint(run, args)
-        metrics = validate(run.model.module, val_set, args, to_input)
+        metrics = validate(run.model_without_ddp, val_set, args, to_input)
         record = {"epoch": epoch + 1, **train_stats, **metrics,
                   "epoch_seconds": time.perf_counter() - epoch_start}
         append_metrics(args, record)
@@ -361,7 +356,6 @@ def fit(run, train_set, val_set, args, to_input, stop):
         if epoch + 1 < args.epochs and stop.agreed():  # a SIGTERM during validation
             return log_stop(args, stop, f"after epoch {epoch + 1}")
 
-
 def rest_of_epoch(sampler, run):
     """This rank's indices for the rest of the epoch in whole steps, and the step they start after.
     DistributedSampler deals the epoch's order out in turn (rank r: entries r, r + world, ...), so
@@ -372,23 +366,26 @@ def rest_of_epoch(sampler, run):
     steps_left = max(0, len(sampler) - math.ceil(run.samples / world)) // per_rank_step  # rank 0's
     return list(sampler)[skip: skip + steps_left * per_rank_step], run.steps_per_epoch - steps_left
 
-
-def train_one_epoch(run, loader, args, to_input, stop, profiler):
+def train_one_epoch(run, loader, args, to_input, stop, profiler, first):
     """Train to the epoch's end, or until the ranks agree to stop: (the loss, data-wait share and
     images/s averaged over ranks, stopped). The host never waits for the GPU between log lines."""
     if run.step == run.steps_per_epoch:  # resumed at a larger step: less than one left
         return {"train_loss": math.nan, "data_wait": 0.0, "images_per_sec": 0.0}, False
     run.model.train()
     autocast = amp_context(args, to_input.device)
-    batches, loss_sum = iter(loader), torch.zeros((), device=to_input.device)
+    batches = iter(loader)
+    loss_sum = torch.zeros((), device=to_input.device)
     clock = StepClock(run.step, to_input.device, run.images_per_step)
+    # Each rank compiles in its first two steps, minutes apart where their caches differ: till then
+    # (or the epoch's end), the collectives wait the longer of COMPILE_TIMEOUT and their own.
+    compiling = args.compile and first
+    if compiling:
+        guard.set_collective_timeout(max(COMPILE_TIMEOUT, args.collective_timeout))
     with clock.waiting():
         upcoming = next_step(batches, args, stop)
     while run.step < run.steps_per_epoch:
         if stop.agreed():
             return None, True
-        if args.compile and run.step == clock.first_step + 2:  # every rank has compiled by now
-            guard.set_collective_timeout(args.collective_timeout)
         micro_batches = upcoming
         if run.step + 1 < run.steps_per_epoch:
             with clock.waiting():
@@ -397,7 +394,7 @@ def train_one_epoch(run, loader, args, to_input, stop, profiler):
         for i, batch in enumerate(micro_batches):
             images, labels = to_input(*batch)
             # The earlier micro-batches' gradients only accumulate here: one all-reduce per step.
-            with nullcontext() if i + 1 == args.accum_steps else run.model.no_sync():
+            with nullcontext() if i + 1 == args.accum_steps else run.ddp.no_sync():
                 with autocast:
                     loss = F.cross_entropy(run.model(images), labels)
                 run.scaler.scale(loss / args.accum_steps).backward()
@@ -408,8 +405,11 @@ def train_one_epoch(run, loader, args, to_input, stop, profiler):
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
-        run.step, run.samples = run.step + 1, run.samples + run.images_per_step
+        run.step += 1
+        run.samples += run.images_per_step
         loss_sum += step_loss
+        if compiling and run.step in (clock.first_step + 2, run.steps_per_epoch):
+            guard.set_collective_timeout(args.collective_timeout)
         if run.step % args.log_every == 0 or run.step == run.steps_per_epoch:
             log_step(run, args, step_loss, lr, clock)
         if args.save_every and run.step % args.save_every == 0 and run.step < run.steps_per_epoch:
@@ -418,7 +418,6 @@ def train_one_epoch(run, loader, args, to_input, stop, profiler):
             profiler.step()
     stats = {"train_loss": loss_sum / (run.step - clock.first_step), **clock.epoch()}
     return mean_over_ranks(stats, to_input.device), False
-
 
 def profile_steps(run, args, first_epoch):
     """--profile DIR: each rank traces steps 4 to 6 of the first epoch trained, after DDP's bucket
@@ -437,7 +436,6 @@ def profile_steps(run, args, first_epoch):
         on_trace_ready=torch.profiler.tensorboard_trace_handler(args.profile,
                                                                 f"rank{dist.get_rank()}"))
 
-
 def next_step(batches, args, stop):
     """The next step's micro-batches; this rank's stop flags (and an unreadable image) go out."""
     micro_batches, problem = guard.read_or_problem(
@@ -445,32 +443,34 @@ def next_step(batches, args, stop):
     stop.send(problem)
     return micro_batches
 
+def epochs_done(run):
+    """Where training stands, in epochs: placed by the images trained, not the steps, so that a
+    resume at another world size or batch goes on along the same schedule."""
+    return run.epoch + run.samples / (run.steps_per_epoch * run.images_per_step)
 
 def learning_rate(run, args):
-    """The next step's: a linear warm-up, then a cosine decay to 0, placed by the images trained,
-    not the steps, so that a resume at another world size or batch goes on along the same curve."""
-    epochs_done = run.epoch + run.samples / (run.steps_per_epoch * run.images_per_step)
-    if epochs_done < args.warmup_epochs:  # the first step at 1 / warm-up steps of --lr, none above
-        return args.lr * min(1, (epochs_done + 1 / run.steps_per_epoch) / args.warmup_epochs)
-    progress = (epochs_done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
+    """The next step's: a linear warm-up, then a cosine decay to 0."""
+    done = epochs_done(run)
+    if done < args.warmup_epochs:  # the first step at 1 / warm-up steps of --lr, none above
+        return args.lr * min(1, (done + 1 / run.steps_per_epoch) / args.warmup_epochs)
+    progress = (done - args.warmup_epochs) / (args.epochs - args.warmup_epochs)
     return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
-
 
 class ModelInput:
     """A uint8 batch from the loader as the model takes it, on the device: batches cross shared
     memory, pinned memory and the copy to the GPU at a quarter of float32's bytes."""
 
     def __init__(self, args, device):
-        self.device, self.memory_format = device, memory_format(args)
+        self.device = device
+        self.memory_format = memory_format(args)
         # On the device once: a tensor made from host data per batch would make the host wait.
-        constants = torch.tensor([IMAGENET_MEAN, IMAGENET_STD], device=device)
-        self.mean, self.std = 255 * constants.view(2, 1, 3, 1, 1)
+        self.mean = 255 * torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+        self.std = 255 * torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
 
     def __call__(self, images, labels):
         images = images.to(self.device, non_blocking=True)
         images = images.contiguous(memory_format=self.memory_format).float()
         return images.sub_(self.mean).div_(self.std), labels.to(self.device, non_blocking=True)
-
 
 @torch.no_grad()
 def validate(model, val_set, args, to_input):
@@ -490,7 +490,6 @@ def validate(model, val_set, args, to_input):
     return {"val_loss": loss, "val_acc1": 100 * acc1, "val_acc5": 100 * acc5,
             "val_samples": len(rows)}
 
-
 def val_rows(model, batch, autocast, to_input):
     """A row per image: its loss, whether the label is the top-1 guess, and in the top 5."""
     images, labels = to_input(*batch)
@@ -500,21 +499,17 @@ def val_rows(model, batch, autocast, to_input):
     loss = F.cross_entropy(logits, labels, reduction="none")
     return torch.stack([loss, hits[:, 0], hits.amax(dim=1)], dim=1).double()
 
-
 def amp_context(args, device):
     dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
-
 def memory_format(args):
     return torch.channels_last if args.channels_last else torch.contiguous_format
-
 
 # ---------------------------------------------------- the log lines of training and validation
 def log(message):
     if dist.get_rank() == 0:
         print(message, flush=True)
-
 
 def mean_over_ranks(figures, device):
     """{name: its mean over ranks} of detached tensors and numbers, as numbers: one all_reduce.
@@ -524,23 +519,20 @@ def mean_over_ranks(figures, device):
     dist.all_reduce(values)
     return dict(zip(figures, (values / dist.get_world_size()).tolist()))
 
-
 def log_step(run, args, step_loss, lr, clock):
     """The step's line, from figures averaged over ranks; a loss that is not finite stops all."""
     images_per_sec, data_share = clock.line(run.step)
     mean = mean_over_ranks({"loss": step_loss, "data": data_share}, step_loss.device)
-    guard.check_finite_loss(mean["loss"], run, args)
+    guard.check_finite(math.isfinite(mean["loss"]), f"the loss is {mean['loss']}", run, args)
     total, done = args.epochs * run.steps_per_epoch, run.epoch * run.steps_per_epoch + run.step
     eta = datetime.timedelta(seconds=round((total - done) * run.images_per_step / images_per_sec))
     log(f"epoch {run.epoch + 1}/{args.epochs} step {run.step}/{run.steps_per_epoch} "
         f"({done}/{total}) loss {mean['loss']:.4f} lr {lr:.4g} {images_per_sec:.1f} img/s "
         f"data {mean['data']:.0%} eta {eta}")
 
-
 def log_stop(args, stop, where):
     last = guard.last_checkpoint(args)
     log(f"stopped by {stop.stopped_by} {where}; continue with --resume {last}")
-
 
 def log_start(args, device, train_set, val_set, run, new_layers):
     start = ""
@@ -556,29 +548,33 @@ def log_start(args, device, train_set, val_set, run, new_layers):
         f"train / {len(val_set)} val images at {args.image_size} px, {recipe}, batch "
         f"{args.batch_size} x {args.accum_steps} x {world}, {run.steps_per_epoch} steps per epoch")
 
-
 def log_resume(path, checkpoint, args, run):
     """Where the run resumes, and what it changes: the batch over all ranks, the optimizer's."""
     saved_args = checkpoint["args"]
     saved = f"{saved_args['batch_size']} x {saved_args['accum_steps']} x {checkpoint['world_size']}"
     now = f"{args.batch_size} x {args.accum_steps} x {dist.get_world_size()}"
-    changed = [] if now == saved else [f"batch {now} (was {saved}; {run.samples} images of the "
-                                       "epoch done)"]
-    changed += [f"--{name.replace('_', '-')} {getattr(args, name):g} (was {saved_args[name]:g})"
-                for name in ["lr", "momentum", "weight_decay"]
-                if getattr(args, name) != saved_args[name]]
+    changed = []
+    if now != saved:
+        changed.append(f"batch {now} (was {saved}; {run.samples} images of the epoch done)")
+    for name in ["lr", "momentum", "weight_decay"]:
+        if getattr(args, name) != saved_args[name]:
+            changed.append(f"--{name.replace('_', '-')} {getattr(args, name):g} "
+                           f"(was {saved_args[name]:g})")
     settings = f"; with {', '.join(changed)}" if changed else ""
     log(f"resumed from {path} at epoch {run.epoch + 1} step {checkpoint['step']}{settings}")
-
 
 class StepClock:
     """Images/s and the share of time waiting for data, per log line and epoch. It waits for the
     device at log lines only; the data wait is the host's (a GPU with queued steps is not idle)."""
 
     def __init__(self, step, device, images_per_step):
-        self.device, self.images_per_step, self.first_step = device, images_per_step, step
-        self.marks = [(step, self.now(), 0.0)]  # (step, time, data waited): start, 1st line, last
-        self.waited = 0.0
+        self.device = device
+        self.images_per_step = images_per_step
+        self.first_step = step
+        self.waited = 0.0  # the seconds spent waiting for data so far
+        self.start = (step, self.now(), 0.0)  # (step, time, waited) at the start
+        self.last = self.start  # ... at the last log line
+        self.first_line = None  # ... at the first log line
 
     def now(self):
         if self.device.type == "cuda":
@@ -593,19 +589,21 @@ class StepClock:
 
     def line(self, step):
         """(images/s, the share of time waiting for data) since the line before; marks this one."""
-        (line_step, began, waited), now = self.marks[-1], self.now()
-        self.marks = [*self.marks[:2], (step, now, self.waited)]
+        line_step, began, waited = self.last
+        now = self.now()
+        self.last = (step, now, self.waited)
+        self.first_line = self.first_line or self.last
         return ((step - line_step) * self.images_per_step / (now - began),
                 (self.waited - waited) / (now - began))
 
     def epoch(self):
         """The epoch's data-wait share, and its images/s from the first log line on (before it: the
         warm-up and any compilation), unless that was the last line."""
-        (_, began, _), (last_step, last, _) = self.marks[0], self.marks[-1]
-        timed_step, timed, _ = self.marks[1 if len(self.marks) > 2 else 0]
+        _, began, _ = self.start
+        last_step, last, _ = self.last
+        timed_step, timed, _ = self.first_line if self.first_line != self.last else self.start
         return {"data_wait": self.waited / (last - began),
                 "images_per_sec": (last_step - timed_step) * self.images_per_step / (last - timed)}
-
 
 def append_metrics(args, record):
     """One JSON line; a figure of no step (a resume with less than a step left) is null, not NaN."""
@@ -616,19 +614,19 @@ def append_metrics(args, record):
         with open(args.metrics_file, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-
 # ----------------------------------------------------------------------------- 7. checkpoints
 def save_checkpoint(run, args):
     """Rank 0's writer thread writes last.pt, with each rank's random streams, as training runs."""
+    guard.check_finite_weights(run, args)  # training diverged since the last log line: no save
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     rng = gather_utils.all_gather_object({"torch": torch.get_rng_state(), "cuda": cuda})
     if dist.get_rank() == 0:
-        state = {"model": run.model.module.state_dict(), "optimizer": run.optimizer.state_dict(),
-                 "scaler": run.scaler.state_dict(), "epoch": run.epoch, "samples": run.samples,
-                 "step": run.step, "world_size": dist.get_world_size(), "args": vars(args),
-                 "rng": rng, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        state = {"model": run.model_without_ddp.state_dict(),
+                 "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+                 "epoch": run.epoch, "samples": run.samples, "step": run.step,
+                 "world_size": dist.get_world_size(), "args": vars(args), "rng": rng,
+                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
         run.writer.write(state, guard.last_checkpoint(args))
-
 
 def load_checkpoint(args):
     """(path, checkpoint), read once on every rank: this job's last.pt (after a restart, or on a
@@ -655,10 +653,15 @@ def load_checkpoint(args):
             setattr(args, name, checkpoint["args"][name])
     return path, checkpoint
 
-
 def restore_training_state(checkpoint, run):
-    """The optimizer, scaler, random streams and place in the epoch (the model: build_model)."""
-    restore_optimizer(run.optimizer, checkpoint["optimizer"])
+    """The optimizer's state with this run's settings (--lr, --momentum, fused: a CPU run cannot
+    take a GPU's), the scaler, random streams and place in the epoch (the model: build_model)."""
+    settings = [{k: v for k, v in group.items() if k != "params"}
+                for group in run.optimizer.param_groups]
+    run.optimizer.load_state_dict(checkpoint["optimizer"])
+    for group, own in zip(run.optimizer.param_groups, settings):
+        group.update(own)
+    guard.settle_momentum_buffers(run.optimizer)  # in their parameters' memory layout
     if checkpoint["scaler"]:  # empty when saved without --amp fp16: a new scaler's defaults
         run.scaler.load_state_dict(checkpoint["scaler"])
     rng, rank = checkpoint["rng"], dist.get_rank()
@@ -667,18 +670,6 @@ def restore_training_state(checkpoint, run):
         if torch.cuda.is_available() and rng[rank]["cuda"] is not None:
             torch.cuda.set_rng_state(rng[rank]["cuda"])
     run.epoch, run.samples = checkpoint["epoch"], checkpoint["samples"]
-
-
-def restore_optimizer(optimizer, state):
-    """The saved state with this run's settings (--lr, --momentum, fused: a CPU run cannot take a
-    GPU's), and momentum buffers in their parameters' memory layout."""
-    settings = [{k: v for k, v in group.items() if k != "params"}
-                for group in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, own in zip(optimizer.param_groups, settings):
-        group.update(own)
-    guard.settle_momentum_buffers(optimizer)
-
 
 if __name__ == "__main__":
     main()

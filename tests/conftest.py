@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torchvision
 import yaml
 from PIL import Image
@@ -175,6 +176,14 @@ def noise_image(height, width):
 class Finished:
     weights: dict
     metrics: list
+
+
+@pytest.fixture
+def world_of_one():
+    """A real gloo process group of one rank in this process, for what gathers or reduces."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,6 @@ import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
 import guard
-import train_ddp
 from conftest import FAST, LAUNCH, RUN_TIMEOUT, TINY, TRAIN, assert_same_weights, clean_env, descendants, \
     free_port, kill_pids, kill_tree, load, metrics, noise_image, ok, proc_file, resume_and_compare, run, torchrun, \
     write_images
@@ -634,18 +633,23 @@ def test_an_unreadable_image_that_only_batch_norms_recompute_reads_stops_every_r
     assert not (tmp_path / "ck" / "last.pt").exists()
 
 
-def test_a_model_gone_nan_stops_every_rank_with_one_line(tmp_path):
+@pytest.mark.parametrize("seen_by", ["a log line", "a save between log lines"])
+def test_a_model_gone_nan_stops_every_rank_with_one_line_and_saves_nothing(tmp_path, seen_by):
     # An epoch of sound training, then a resume at an lr of 1e9: the loss overflows within a few steps. The first log
-    # line that sees it stops every rank with one line that says where, and last.pt stays the epoch-1 checkpoint.
-    args = [*TINY, "--train-samples", "128", "--log-every", "2", "--checkpoint-dir", str(tmp_path)]
+    # line or --save-every save that sees it stops every rank with one line that says where; last.pt keeps the last
+    # save before it, finite: the epoch-1 checkpoint, or one of --save-every's before the weights overflowed.
+    every = ["--log-every", "2"] if seen_by == "a log line" else ["--log-every", "100", "--save-every", "1"]
+    what = "the loss is (nan|inf)" if seen_by == "a log line" else "the weights are not finite"
+    args = [*TINY, "--train-samples", "128", *every, "--checkpoint-dir", str(tmp_path)]
     ok(run(torchrun(2, *args, "--epochs", "1")))
     before = (tmp_path / "last.pt").read_bytes()
     result = run(torchrun(2, *args, "--resume", tmp_path / "last.pt", "--lr", "1e9"), timeout=90)
     assert result.returncode == 1 and f'File "{TRAIN}"' not in result.stderr, result.stderr[-3000:]
     ours = [line for line in result.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
-    assert len(ours) == 1 and re.search(r"error: the loss is (nan|inf) at epoch 2 step \d+: training diverged", ours[0])
-    assert ours[0].endswith(f"{tmp_path / 'last.pt'} is unchanged"), ours
-    assert (tmp_path / "last.pt").read_bytes() == before
+    assert len(ours) == 1 and re.search(f"error: {what} at epoch 2 step \\d+: training diverged", ours[0]), ours
+    assert ours[0].endswith(f"{tmp_path / 'last.pt'} keeps the last save"), ours
+    assert all(weights.isfinite().all() for weights in load(tmp_path / "last.pt")["model"].values())
+    assert seen_by == "a save between log lines" or (tmp_path / "last.pt").read_bytes() == before
 
 
 def test_workers_out_of_shared_memory_fail_naming_it(tmp_path):
@@ -693,8 +697,9 @@ def test_nodes_resuming_from_different_checkpoints_all_stop(tmp_path):
     assert all(node.returncode != 0 for node in nodes)
     errors = stderr(nodes[0]) + stderr(nodes[1])
     for node in nodes:  # each node says it, once
-        assert stderr(node).count("train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: "
-                                  "epoch 1 step 0, samples 0; rank 1: a fresh start)") == 1, stderr(node)[-3000:]
+        line = re.escape("train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: epoch 1 "
+                         "step 0, samples 0, run id ") + "[0-9a-f-]{36}" + re.escape("; rank 1: a fresh start)")
+        assert len(re.findall(line, stderr(node))) == 1, stderr(node)[-3000:]
     assert "; rank 1: a fresh start); give every node the same --resume file" in errors
 
 

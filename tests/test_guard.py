@@ -2,8 +2,8 @@
 a Python process of its own, to see what a fresh one reads or how it exits); what gathers, on a
 gloo group of one in this process, and where ranks must disagree, on 3 real processes. In
 guard.py's order, under its headings."""
+import math
 import os
-import shutil
 import signal
 import sys
 import textwrap
@@ -30,14 +30,6 @@ def exit_of(call, capsys):
     with pytest.raises(SystemExit) as ended:
         call()
     return ended.value.code, capsys.readouterr().err
-
-
-@pytest.fixture
-def world_of_one():
-    """A real gloo process group of one rank in this process, for what gathers or reduces."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 GLOO_WORLD = """
@@ -243,7 +235,7 @@ def test_weights_for_takes_every_layer_but_a_classifier_of_another_size(tmp_path
     for name in ["weights.pt", "last.pt"]:
         args = train_ddp.parse_args(["--arch", "resnet18", "--weights", str(tmp_path / name)])
         model = torchvision.models.resnet18(num_classes=10)
-        state, new_layers = guard.weights_for(model, args)
+        state, new_layers = guard.weights_for(model, tmp_path / name, args)
         assert new_layers == ["fc"] and torch.equal(state["fc.weight"], model.fc.weight)
         assert all(torch.equal(state[key], theirs[key]) for key in theirs if not key.startswith("fc"))
         model.load_state_dict(state, strict=False)
@@ -271,7 +263,8 @@ def test_weights_for_refuses_weights_that_do_not_fit(case, tmp_path, capsys):
     torch.save(state, tmp_path / "w.pt")
     args = train_ddp.parse_args(["--arch", "resnet18", "--dry-run"])
     args.weights = str(tmp_path / "w.pt")
-    code, err = exit_of(lambda: guard.weights_for(torchvision.models.resnet18(num_classes=10), args), capsys)
+    model = torchvision.models.resnet18(num_classes=10)
+    code, err = exit_of(lambda: guard.weights_for(model, tmp_path / "w.pt", args), capsys)
     assert code == 2 and f"--weights {tmp_path}/w.pt does not fit --arch resnet18: {message}" in err, err
 
 
@@ -284,7 +277,7 @@ def test_check_args_takes_a_weights_file_for_a_model_the_meta_device_cannot_buil
 
 def test_weights_for_refuses_a_classifier_for_other_classes_to_evaluate(tmp_path, capsys):
     torch.save(torchvision.models.resnet18(num_classes=7).state_dict(), tmp_path / "w.pt")
-    argv = ["--arch", "resnet18", "--weights", str(tmp_path / "w.pt"), "--evaluate"]
+    argv = ["--arch", "resnet18", "--weights", str(tmp_path / "w.pt"), "--evaluate", "--dry-run"]
     assert train_ddp.parse_args(argv + ["--num-classes", "7"]).num_classes == 7
     code, err = exit_of(lambda: train_ddp.parse_args(argv + ["--num-classes", "5"]), capsys)
     assert code == 2 and err.strip().splitlines() == [
@@ -292,30 +285,32 @@ def test_weights_for_refuses_a_classifier_for_other_classes_to_evaluate(tmp_path
         "the classes it was trained on (--num-classes, or the class folders of --data)"], err
 
 
-def test_weights_for_reads_named_weights_from_the_hub_cache_and_names_a_bad_file_there(tmp_path, monkeypatch, capsys):
+def test_weights_file_finds_named_weights_in_the_hub_cache_and_weights_for_names_a_bad_file_there(
+        tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     placed = place_in_hub_cache(tmp_path, "resnet18", torchvision.models.ResNet18_Weights.IMAGENET1K_V1)
     args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1", "--num-classes", "1000"])
     cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
-    state, new_layers = guard.weights_for(torchvision.models.resnet18(), args)
+    assert guard.weights_file(args) == (cached, None)
+    state, new_layers = guard.weights_for(torchvision.models.resnet18(), cached, args)
     assert new_layers == [] and torch.equal(state["fc.weight"], placed["fc.weight"])
     cached.write_bytes(b"placed by hand, and wrong")  # where the download's failure line says to place it
-    code, err = exit_of(lambda: guard.weights_for(torchvision.models.resnet18(), args), capsys)
+    code, err = exit_of(lambda: guard.weights_for(torchvision.models.resnet18(), cached, args), capsys)
     assert code == 2 and err.startswith(f"train_ddp.py: error: --weights {cached}: not a readable state dict ("), err
 
 
-def test_weights_for_says_how_to_work_offline_when_a_download_fails(tmp_path, monkeypatch, capsys):
+def test_weights_file_says_how_to_work_offline_when_a_download_fails(tmp_path, monkeypatch):
     # A proxy where nothing listens: the download fails at once, as without a network.
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{free_port()}")
-    argv = ["--arch", "resnet18", "--weights", "IMAGENET1K_V1"]
-    code, err = exit_of(lambda: train_ddp.parse_args(argv), capsys)
+    args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
+    path, problem = guard.weights_file(args)
     cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
-    assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("train_ddp.py: error: --weights IMAGENET1K_V1: could not download "
-                          f"{torchvision.models.ResNet18_Weights.DEFAULT.url} ("), err
-    assert err.endswith(f"; without a network, place that file at {cached}, or pass --weights PATH to a state "
-                        "dict\n"), err
+    assert path is None and "\n" not in problem, problem
+    assert problem.startswith("--weights IMAGENET1K_V1: could not download "
+                              f"{torchvision.models.ResNet18_Weights.DEFAULT.url} ("), problem
+    assert problem.endswith(f"; without a network, place that file at {cached}, or pass --weights PATH to a "
+                            "state dict"), problem
     assert not cached.parent.exists() or not any(cached.parent.iterdir())  # no partial file left
 
 
@@ -387,6 +382,15 @@ def test_raise_nccl_timeouts_takes_the_users_values_under_the_older_names(tmp_pa
     guard.raise_nccl_timeouts(args)
     assert os.environ[guard.TRACE_FILE_NAMES[0]] == "/mine/trace_"  # what this torch reads first
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_torch_release_takes_a_source_builds_version_for_its_release():
+    # NGC's containers ship builds such as 2.11.0a0+git...: a pre-release of 2.11 by version rules, 2.11 in what it
+    # holds, whose flight recorder reads the new names first.
+    code = ("import torch; torch.__version__ = torch.torch_version.TorchVersion('2.11.0a0+git1a2b3c4'); "
+            "import guard; print(*guard.TORCH_RELEASE, guard.TRACE_FILE_NAMES[0])")
+    result = run([sys.executable, "-c", code], env=clean_env(), cwd=ROOT, timeout=60)
+    assert result.stdout.split() == ["2", "11", "TORCH_FR_DUMP_TEMP_FILE"], result.stderr[-2000:]
 
 
 def test_store_of_this_attempt_prefixes_each_restart_and_drops_the_old_nccl_signals(monkeypatch):
@@ -469,26 +473,29 @@ def test_collective_failed_raises_any_other_error_as_it_is():
 
 
 def test_check_same_start_stops_every_rank_naming_each_start():
+    # Ranks 0 and 1 stand at one place of two jobs: another job's last.pt on one node's own disk.
     ranks = in_gloo_world("""
         guard.check_same_start(None)  # the same on every rank
-        checkpoint = {"epoch": 1, "step": 5, "samples": 40}
+        checkpoint = {"epoch": 1, "step": 5, "samples": 40, "run_id": f"job-{min(rank, 1)}"}
         guard.check_same_start(checkpoint if rank < 2 else None)
     """)
     assert [r.returncode for r in ranks] == [2, 2, 2] and ranks[1].stderr == ranks[2].stderr == ""
-    assert ranks[0].stderr.startswith("train_ddp.py: error: the ranks would resume from different checkpoints "
-                                      "(ranks 0, 1: epoch 1 step 5, samples 40; rank 2: a fresh start); give every node the same "
-                                      "--resume file"), ranks[0].stderr
+    assert ranks[0].stderr.startswith(
+        "train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: epoch 1 step 5, "
+        "samples 40, run id job-0; rank 1: epoch 1 step 5, samples 40, run id job-1; rank 2: a fresh start); "
+        "give every node the same --resume file"), ranks[0].stderr
 
 
-def test_check_finite_loss_stops_on_nan_and_inf(tmp_path, capsys):
+def test_check_finite_stops_on_a_loss_of_nan_or_inf(tmp_path, capsys):
     args = train_ddp.parse_args(["--arch", "resnet18", "--checkpoint-dir", str(tmp_path)])
     run = types.SimpleNamespace(epoch=1, step=40)
-    guard.check_finite_loss(2.5, run, args)
+    guard.check_finite(math.isfinite(2.5), "the loss is 2.5", run, args)
     for loss in [float("nan"), float("inf")]:
-        code, err = exit_of(lambda: guard.check_finite_loss(loss, run, args), capsys)
+        code, err = exit_of(lambda: guard.check_finite(math.isfinite(loss), f"the loss is {loss}", run, args),
+                            capsys)
         assert code == 1 and err == (f"train_ddp.py: error: the loss is {loss} at epoch 2 step 40: training "
-                                     f"diverged; lower --lr (0.005 now) or check the data; {tmp_path}/last.pt is "
-                                     "unchanged\n")
+                                     f"diverged; lower --lr (0.005 now) or check the data; {tmp_path}/last.pt keeps "
+                                     "the last save\n")
 
 
 # ------------------------------------------------------------------------- stopping together

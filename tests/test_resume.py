@@ -126,11 +126,12 @@ def test_append_metrics_writes_null_for_a_figure_of_no_step_and_makes_its_folder
 
 
 @pytest.mark.parametrize("saved", ["momentum 0", "some buffers"])
-def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_checkpoint_has_none(saved):
+def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_checkpoint_has_none(
+        saved, world_of_one):
     # A checkpoint saved with --momentum 0 has no momentum buffers, and one whose model had parameters that got no
     # gradient has some only. Resumed with momentum, fused SGD would make the missing ones with empty_like at its
     # first step (garbage, kept when the GradScaler skips that step), or, with some there, raise. Loaded as
-    # train_ddp.restore_optimizer loads it, every parameter has a buffer in its layout: the
+    # train_ddp.restore_training_state loads it, every parameter has a buffer in its layout: the
     # checkpoint's where it had one, zeros where not.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
@@ -146,7 +147,9 @@ def test_a_resume_with_momentum_gives_every_parameter_a_buffer_zeros_where_the_c
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     guard.settle_momentum_buffers(optimizer)
-    train_ddp.restore_optimizer(optimizer, checkpoint)
+    run = SimpleNamespace(optimizer=optimizer, scaler=None)
+    saved_state = {"optimizer": checkpoint, "scaler": {}, "rng": [], "epoch": 0, "samples": 0}
+    train_ddp.restore_training_state(saved_state, run)
     for i, p in enumerate(model.parameters()):
         buffer = optimizer.state[p].get("momentum_buffer")
         assert buffer is not None and buffer.stride() == p.stride(), i
