@@ -56,9 +56,10 @@ def bench(args, train_args, device):
     """{variant: seconds of each step}, {variant: each round's window mean}, the median seconds of a save_checkpoint
     call with the writer idle and of a write, and the checkpoint's bytes."""
     model, _ = train_ddp.build_model(train_args, None)
-    model = train_ddp.wrap_ddp(model, train_args, device, warmup_steps=0)
-    optimizer, scaler = train_ddp.build_optimizer(model, train_args)
-    run = train_ddp.Training(model, optimizer, scaler, steps_per_epoch=10**9)
+    ddp, _ = train_ddp.wrap_ddp(model, train_args, device)
+    optimizer, scaler = train_ddp.build_optimizer(ddp, train_args)
+    run = train_ddp.Training(ddp, ddp, ddp.module, optimizer, scaler, steps_per_epoch=10**9,
+                             images_per_step=args.batch_size)
     data = train_ddp.SyntheticImages(args.batch_size, 10, args.image_size, seed=0, split="train")
     images, labels = zip(*(data[i] for i in range(args.batch_size)))
     batch = train_ddp.ModelInput(train_args, device)(torch.stack(images), torch.tensor(labels))
