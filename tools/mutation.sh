@@ -9,12 +9,18 @@
 #
 # SAMPLE: that many mutants drawn at random (seed 0) instead of all of them, for an estimate in
 # less time ("all": every one). With FUNCTIONs (top-level names in FILE, e.g. all_gather_concat):
-# only the mutants inside each FUNCTION and inside what it uses of FILE (its helpers, theirs, the
-# constants they read), SAMPLE drawn for each FUNCTION; a mutant drawn for two runs once. Prints
-# each survivor's diff, cosmic-ray's totals, then each FUNCTION's. A mutant's tests, cheapest
-# first: for gather_utils.py, test_gather.py's checks in one process, then under torchrun on 3,
-# 2, 1, 4 and 9 ranks (9: the checks pytest runs there), and on 3 ranks with --backend default;
-# for guard.py, tests/test_guard.py.
+# only the mutants on each FUNCTION's own lines, not on the helpers it calls, which several
+# functions share; SAMPLE drawn for each FUNCTION, with a seed of its own made from its name, so
+# that the same FUNCTION draws the same mutants whatever else is named.
+# A mutant's tests, cheapest first: for gather_utils.py, test_gather.py as pytest runs it, its
+# tests in one process, then those under torchrun; for guard.py, tests/test_guard.py. Each stops
+# at its first failure.
+# Kept in a folder it prints first (OUT, else a new one): the unmutated run's output, then, for each
+# mutant, its diff, its outcome and its tests' output (mutants/), and a table of them all
+# (mutants.tsv). A mutant is killed by a failure, or by a timeout where the first failure the tests
+# met was a time limit (a collective past its timeout, a launch or a test past its limit); the
+# counts keep the two apart. Prints each survivor's diff, then each FUNCTION's counts. A run
+# stopped early: `python3 FOLDER/draw.py FOLDER/session.sqlite FILE report` reports what ran.
 set -euo pipefail
 usage="usage: tools/mutation.sh gather_utils.py|guard.py [SAMPLE [FUNCTION ...]]"
 file=${1:?$usage}
@@ -29,28 +35,30 @@ if [[ $sample != all && ! $sample =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
+keep=${OUT:-$(mktemp -d /tmp/mutation-out.XXXXXX)}
+mkdir -p "$keep/mutants"
+echo "tools/mutation.sh: output kept in $keep"
 work=$(mktemp -d /tmp/mutation.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 git clone -q "$repo" "$work/repo"
+# Everything on stdout: cosmic-ray keeps a mutant's stdout with its result, and drops its stderr.
 cat >"$work/tests.sh" <<'EOF'
 cd "$(dirname "$0")/repo"
-if [[ $1 == guard.py ]]; then
-    exec python3 -m pytest -q -x -p no:cacheprovider tests/test_guard.py >/dev/null 2>&1
-fi
-python3 -m pytest -q -x -p no:cacheprovider test_gather.py -k "not torchrun" >/dev/null 2>&1 || exit 1
-launch() {  # ranks, then test_gather.py's flags: every check passed
-    local ranks=$1 last
-    shift
-    last=$(timeout 150 torchrun --standalone --nproc_per_node "$ranks" test_gather.py "$@" 2>&1 | tail -n 1)
-    [[ $last == *" passed, 0 failed" ]]
+run() {  # pytest's arguments: its output, between lines that name the step and its exit code
+    echo "== step: pytest $*"
+    local code=0
+    python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 || code=$?
+    echo "== exit $code: pytest $*"
+    return "$code"
 }
-for n in 3 2 1 4; do launch "$n" || exit 1; done
-large=$(python3 -c 'import test_gather as t; print(t.LARGE_WORLD, ",".join(t.LARGE_WORLD_CHECKS))')
-launch ${large% *} --checks "${large#* }" || exit 1
-CUDA_VISIBLE_DEVICES= launch 3 --backend default
+if [[ $1 == guard.py ]]; then
+    run tests/test_guard.py
+else
+    run test_gather.py -k "not torchrun" && run test_gather.py -k torchrun
+fi
 EOF
-# Above the tests' own limits (600 s in one process, 150 s a launch), which end a hang: a mutant
-# past cosmic-ray's would count as killed, though only a slow machine took it there.
+# Above the tests' own limits (600 s a test, 240 s a launch), which end a hang: a mutant past
+# cosmic-ray's would count as a timeout, though only a slow machine took it there.
 cat >"$work/config.toml" <<EOF
 [cosmic-ray]
 module-path = "$file"
@@ -62,23 +70,26 @@ test-command = "bash $work/tests.sh $file"
 name = "local"
 EOF
 # Unmutated, the tests must pass: else every mutant would count as killed (torch not installed).
-if ! bash "$work/tests.sh" "$file"; then
-    echo "tools/mutation.sh: error: the tests fail on the unmutated $file; expected them to pass" \
-        "(the tests this script's header names, on this machine)" >&2
+if ! bash "$work/tests.sh" "$file" >"$keep/unmutated.log" 2>&1; then
+    echo "tools/mutation.sh: error: the tests fail on the unmutated $file; expected them to" \
+        "pass (the tests this script's header names, on this machine): $keep/unmutated.log" >&2
     exit 1
 fi
 cd "$work/repo"
-cosmic-ray init "$work/config.toml" "$work/session.sqlite"
-cat >"$work/draw.py" <<'EOF'
-"""draw.py SESSION FILE SAMPLE [FUNCTION ...]: keep the drawn mutants; report: each FUNCTION's."""
-import ast, random, sqlite3, sys
+cosmic-ray init "$work/config.toml" "$keep/session.sqlite"
+cat >"$keep/draw.py" <<'EOF'
+"""draw.py SESSION FILE SAMPLE [FUNCTION ...]: keep the drawn mutants.
+draw.py SESSION FILE report: each mutant's files and table, then each FUNCTION's counts."""
+import ast, hashlib, os, random, re, sqlite3, sys
 
 session, source, sample, *functions = sys.argv[1:]
 db = sqlite3.connect(session)
+# A first failure that was a time limit's: gloo's, pytest-timeout's, test_gather.py's for a launch.
+TIMEOUT = re.compile(r"Timed out waiting \d+ms|Timeout >[\d.]+s|still running after \d+ s")
 
 
-def owners():
-    """{top-level name: (first line, last line, names it uses)}: every def, class, assignment."""
+def spans():
+    """{top-level name: (first line, last line)}: every def, class, assignment."""
     found = {}
     for node in ast.parse(open(source).read()).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -87,47 +98,75 @@ def owners():
             targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
             names = [t.id for t in targets if isinstance(t, ast.Name)]
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        found.update({name: (first, node.end_lineno, used) for name in names})
+        found.update({name: (first, node.end_lineno) for name in names})
     return found
 
 
-def pool(function, found):
-    """(what it changes, job) of every mutant inside `function` or what it uses."""
-    reach, todo = set(), [function]
-    while todo:
-        name = todo.pop()
-        if name in found and name not in reach:
-            reach.add(name)
-            todo += found[name][2]
-    lines = {line for name in reach for line in range(found[name][0], found[name][1] + 1)}
-    specs = "select operator_name, occurrence, job_id, start_pos_row from mutation_specs"
-    return sorted(m[:3] for m in db.execute(specs) if m[3] in lines)
+def outcome(test_outcome, output):
+    """killed, timeout or survived (or cosmic-ray's own word: incompetent)."""
+    if test_outcome.lower() != "killed":
+        return test_outcome.lower()
+    if output == "timeout":  # cosmic-ray's own limit
+        return "timeout"
+    failed = re.findall(r"^== step: .*?\n(.*?)^== exit [1-9]", output or "", re.S | re.M)
+    return "timeout" if failed and TIMEOUT.search(failed[-1]) else "killed"
 
 
+def report():
+    """Each mutant's diff, outcome and output in mutants/, one row each in mutants.tsv (printed),
+    then each function's counts."""
+    folder = os.path.dirname(os.path.abspath(session))
+    rows = db.execute(
+        "select function, start_pos_row, operator_name, occurrence, test_outcome, diff, output"
+        " from drawn join mutation_specs using (job_id) join work_results using (job_id)"
+        " order by drawn.rowid"
+    ).fetchall()
+    counts = {}
+    with open(os.path.join(folder, "mutants.tsv"), "w") as table:
+        for function, line, operator, occurrence, test_outcome, diff, output in rows:
+            result = outcome(test_outcome, output)
+            changed = [d[1:].strip() for d in (diff or "").splitlines()
+                       if d[:1] in "-+" and not d.startswith(("---", "+++"))]
+            name = f"{line}-{operator.rsplit('/', 1)[-1]}-{occurrence}"
+            row = [function, name, result, " => ".join(changed)]
+            table.write("\t".join(row) + "\n")
+            print(*row, sep="\t")
+            path = os.path.join(folder, "mutants", f"{function or 'file'}-{name}.txt")
+            with open(path, "w") as f:
+                f.write(f"{result}\n{operator} occurrence {occurrence}, line {line}\n")
+                f.write(f"{diff}\n{output}")
+            counts.setdefault(function, []).append(result)
+    print(f"\n{'function':<24} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8}  bound")
+    for function, results in counts.items():
+        n, survived = len(results), results.count("survived")
+        # With none surviving of n, the survival rate is below 1 - 0.05**(1/n) at 95% confidence.
+        bound = f"survival < {100 * (1 - 0.05 ** (1 / n)):.0f}% (95%)" if not survived else ""
+        killed, timeouts = results.count("killed"), results.count("timeout")
+        print(f"{function or FILE:<24} {n:>7} {killed:>6} {timeouts:>7} {survived:>8}  {bound}")
+
+
+FILE = os.path.basename(source)
 if sample == "report":
-    print(f"{'function':<24} {'mutants':>7} {'killed':>6} {'survived':>8} {'killed %':>8}")
-    results = "select test_outcome from drawn join work_results using (job_id) where function = ?"
-    for function, in db.execute("select distinct function from drawn order by rowid").fetchall():
-        outcomes = [outcome.lower() for outcome, in db.execute(results, (function,))]
-        killed = outcomes.count("killed")
-        print(f"{function:<24} {len(outcomes):>7} {killed:>6} {outcomes.count('survived'):>8} "
-              f"{100 * killed / max(len(outcomes), 1):>7.1f}%")
+    report()
     sys.exit()
 # Drawn by what each mutant changes, not by its job id, which is new at every init.
-found = owners()
+specs = "select operator_name, occurrence, job_id, start_pos_row from mutation_specs"
 if functions:
+    found = spans()
     unknown = [f for f in functions if f not in found]
     if unknown:
         sys.exit(f"tools/mutation.sh: error: no top-level {', '.join(unknown)} in {source}")
-    groups = {f: pool(f, found) for f in functions}
+    groups = {}
+    for f in functions:
+        first, last = found[f]
+        mutants = sorted(m[:3] for m in db.execute(specs) if first <= m[3] <= last)
+        groups[f] = mutants, int.from_bytes(hashlib.sha256(f.encode()).digest()[:8], "big")
 else:
-    every = "select operator_name, occurrence, job_id from mutation_specs"
-    groups = {"": sorted(db.execute(every))}
+    groups = {"": (sorted(m[:3] for m in db.execute(specs)), 0)}
 db.execute("create table drawn (function varchar, job_id varchar)")
-for function, mutants in groups.items():
+for function, (mutants, seed) in groups.items():
     count = len(mutants) if sample == "all" else min(int(sample), len(mutants))
-    drawn = random.Random(0).sample(mutants, count)
+    drawn = random.Random(seed).sample(mutants, count)
     db.executemany("insert into drawn values (?, ?)", [(function, job) for *_, job in drawn])
 kept = {job for job, in db.execute("select job_id from drawn")}
 dropped = [(job,) for job, in db.execute("select job_id from mutation_specs") if job not in kept]
@@ -135,9 +174,7 @@ for table in ["mutation_specs", "work_items"]:
     db.executemany(f"delete from {table} where job_id = ?", dropped)
 db.commit()
 EOF
-python3 "$work/draw.py" "$work/session.sqlite" "$file" "$sample" "${functions[@]}"
-cosmic-ray exec "$work/config.toml" "$work/session.sqlite"
-cr-report "$work/session.sqlite" --surviving-only --show-diff
-if [[ ${#functions[@]} -gt 0 ]]; then
-    python3 "$work/draw.py" "$work/session.sqlite" "$file" report
-fi
+python3 "$keep/draw.py" "$keep/session.sqlite" "$file" "$sample" "${functions[@]}"
+cosmic-ray exec "$work/config.toml" "$keep/session.sqlite"
+cr-report "$keep/session.sqlite" --surviving-only --show-diff
+python3 "$keep/draw.py" "$keep/session.sqlite" "$file" report
