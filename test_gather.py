@@ -5,7 +5,9 @@
     torchrun --nproc_per_node 1 test_gather.py --backend nccl   # NCCL (one process per GPU)
 
 Rank 0 prints each failing check and, last, `N passed, N failed`; the exit code is non-zero
-on any failure. With `--report PATH`, rank 0 also writes each check's result there as JSON.
+on any failure. Once a check's collectives time out (20 s), every rank stops there, and the
+checks after it are reported as not run. With `--report PATH`, rank 0 also writes each check's
+result there as JSON.
 pytest collects this file too: it starts torchrun once for each world size 1 to 4 on gloo and
 reports each check of each launch as a test of its own, runs every check in-process without a
 process group (a world of one), and runs the GPU variants when CUDA is present.
@@ -1048,18 +1050,29 @@ def checks_for(world):
     return plain_checks(world) + DISTRIBUTED_CHECKS + mixed + five + wide
 
 
+# gloo's words for a collective past its group's timeout.
+TIMED_OUT = re.compile(r"Timed out waiting \d+ms")
+
+
 def run_checks(device, report=None, only=None):
     checks = [check for check in checks_for(dist.get_world_size()) if not only or check.__name__ in only]
-    failures = {}
-    for check in checks:
+    failures, timed_out, not_run = {}, torch.zeros(1), []
+    for i, check in enumerate(checks):
         # A fresh group per check: if a check fails on one rank only, the others wait on a group
         # that nobody uses again and time out, instead of misaligning every later check.
         group = dist.new_group(timeout=datetime.timedelta(seconds=20))
         try:
             check(device, group)
-        except Exception:
+        except Exception as error:
             failures[check.__name__] = traceback.format_exc(limit=-3)
-    # torch's own all_gather_object: the report must not depend on the code under test.
+            timed_out[0] = float(bool(TIMED_OUT.search(str(error))))
+        # A hang that every check meets would cost each check its timeout, until the launcher's
+        # kill left no report: once a collective has timed out on any rank, every rank stops.
+        # torch's own collectives: the report must not depend on the code under test.
+        dist.all_reduce(timed_out, op=dist.ReduceOp.MAX)
+        if timed_out.item():
+            not_run = [later.__name__ for later in checks[i + 1 :]]
+            break
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, failures)
     failed = sorted({name for f in every_rank for name in f})
@@ -1067,15 +1080,22 @@ def run_checks(device, report=None, only=None):
         results = dict.fromkeys(check.__name__ for check in checks)
         for name in failed:
             ranks = [r for r, f in enumerate(every_rank) if name in f]
-            results[name] = f"on rank {ranks}:\n{every_rank[ranks[0]][name]}"
+            # A rank's own error first: the others' timeouts only say that they waited for it.
+            shown = min(ranks, key=lambda r: bool(TIMED_OUT.search(every_rank[r][name])))
+            results[name] = f"on rank {ranks}:\n{every_rank[shown][name]}"
             print(f"FAILED {name} {results[name]}", flush=True)
-        print(f"{len(checks) - len(failed)} passed, {len(failed)} failed", flush=True)
+        if not_run:
+            stop = f"the launch stopped after {check.__name__}, whose collectives timed out"
+            print(f"{stop}; the {len(not_run)} checks after it did not run", flush=True)
+            results.update(dict.fromkeys(not_run, f"not run: {stop}"))
+        passed = f"{len(checks) - len(failed) - len(not_run)} passed, {len(failed)} failed"
+        print(passed + (f", {len(not_run)} not run" if not_run else ""), flush=True)
         if report:
             # Written whole, then renamed: a rank killed while writing leaves no half report.
             with open(f"{report}.tmp", "w") as f:
                 json.dump(results, f, indent=1)
             os.replace(f"{report}.tmp", report)
-    return not failed
+    return not failed and not not_run
 
 
 def main():
