@@ -565,16 +565,18 @@ def check_gather_for_metrics_takes_any_integer_indices(device, group=None):
 
 def check_gather_for_metrics_ranks_with_nothing(device, group=None, width=SMALL):
     """Ranks without rows take part: every sample on the last rank, then none at all (num_samples
-    0). The result is the caller's own: writing to it leaves the input as it was."""
+    0). The result is the caller's own: writing to it leaves the input as it was, also where the
+    rows are in dataset order, which a world of one could hand back as they are."""
     rank, world = gu.get_rank(group), gu.get_world_size(group)
     none = torch.zeros(0, dtype=torch.int64)
-    indices = torch.tensor([3, 0, 4, 1, 2]) if rank == world - 1 else none
-    results = (indices[:, None] * width + torch.arange(width)).float().to(device)
-    before = results.clone()
-    out = gu.gather_for_metrics(results, indices.to(device), 5, group)
-    assert torch.equal(out, torch.arange(5 * width, device=device).view(5, width).float())
-    out.add_(1)
-    assert torch.equal(results, before)
+    for order in ([3, 0, 4, 1, 2], [0, 1, 2, 3, 4]):
+        indices = torch.tensor(order) if rank == world - 1 else none
+        results = (indices[:, None] * width + torch.arange(width)).float().to(device)
+        before = results.clone()
+        out = gu.gather_for_metrics(results, indices.to(device), 5, group)
+        assert torch.equal(out, torch.arange(5 * width, device=device).view(5, -1).float()), order
+        out.add_(1)
+        assert torch.equal(results, before), order
     empty = torch.zeros(0, width, device=device)
     out = gu.gather_for_metrics(empty, torch.zeros(0, dtype=torch.int64, device=device), 0, group)
     assert out.shape == (0, width) and out.dtype == torch.float32
