@@ -17,6 +17,7 @@ import argparse
 import copy
 import datetime
 import functools
+import hashlib
 import inspect
 import json
 import os
@@ -981,6 +982,66 @@ def check_mixed_group_moves_tensors_over_its_gpu_backend(device, group=None):
     assert on_gpu == 0 and on_cpu >= 1, (on_gpu, on_cpu)
 
 
+def spread(n, generator, dtype):
+    """n values of both signs from 2**-4 to 2**5: summed in another order, some round otherwise."""
+    mantissa = torch.rand(n, generator=generator, dtype=torch.float64) + 1
+    sign = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
+    return (sign * mantissa * 2.0 ** torch.randint(-4, 5, (n,), generator=generator)).to(dtype)
+
+
+def result_bytes(value):
+    """What a rank got from a call, as bytes to compare with another rank's: tensors' raw bytes
+    with their dtype and shape, anything else as its repr, which is exact for Python floats."""
+    if isinstance(value, torch.Tensor):
+        raw = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return repr((value.dtype, tuple(value.shape))).encode() + raw
+    if isinstance(value, list):
+        return b"".join(result_bytes(item) + b"," for item in value)
+    return repr(value).encode()
+
+
+def check_every_rank_gets_the_same_bits(device, group=None):
+    """Each public function gives every rank the same bits (get_rank aside, which differs by
+    design). A rank that summed in an order of its own would get another mean, and a loop that
+    branches on it, as early stopping does, would leave that rank's peers waiting. The means are
+    of floats whose sum, from 3 ranks on, rounds otherwise in another order, as checked here first:
+    in the header's room, where each rank sums the rows itself, and past it (an all-reduce)."""
+    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    past = header_room(world) // 4 + 1  # float32 values
+    every = [torch.Generator().manual_seed(r) for r in range(world)]
+    values = {
+        name: [spread(n, generator, dtype) for generator in every]
+        for name, n, dtype in [("in", 16, torch.float32), ("past", past, torch.float32),
+                               ("dict", 16, torch.float64)]
+    }
+    if world >= 3:
+        for name, tensors in values.items():
+            in_order = torch.stack(tensors)
+            assert not torch.equal(in_order.sum(0), in_order.flip(0).sum(0)), name
+    mine = {name: tensors[rank].to(device) for name, tensors in values.items()}
+    indices = torch.tensor(list(iter(DistributedSampler(range(11), world, rank, seed=3))))
+    results = {
+        "get_world_size": gu.get_world_size(group),
+        "all_reduce_mean in the header": gu.all_reduce_mean(mine["in"], group),
+        "all_reduce_mean past the header": gu.all_reduce_mean(mine["past"], group),
+        "all_reduce_mean of bfloat16": gu.all_reduce_mean(mine["in"].bfloat16(), group),
+        "all_reduce_mean of a dict": gu.all_reduce_mean(
+            {f"key {i}": value for i, value in enumerate(mine["dict"].tolist())}, group
+        ),
+        "all_gather_concat": gu.all_gather_concat(mine["past"], group),
+        "all_gather_concat async": gu.all_gather_concat(mine["in"], group, async_op=True).wait(),
+        "all_gather_tensors": gu.all_gather_tensors(mine["in"][: rank + 1], group),
+        "all_gather_object": gu.all_gather_object({"r": rank, "x": mine["dict"].tolist()}, group),
+        "gather_for_metrics": gu.gather_for_metrics(spread(len(indices), every[rank], torch.float32)
+                                                    .to(device), indices.to(device), 11, group),
+    }
+    digests = {name: hashlib.sha256(result_bytes(got)).hexdigest() for name, got in results.items()}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, digests, group=group)  # torch's own, not the code under test
+    differ = [name for name in digests if len({d[name] for d in everyone}) > 1]
+    assert not differ, f"ranks got different bits from {differ}"
+
+
 def check_default_group(device, group=None):
     """The checks above run on explicit groups; group=None must mean the whole world."""
     check_all_gather_concat_uneven(device, None)
@@ -1037,6 +1098,7 @@ MULTI_RANK_CHECKS = [
 DISTRIBUTED_CHECKS = [
     check_subgroup,
     check_default_group,
+    check_every_rank_gets_the_same_bits,
     check_small_payloads_ride_in_the_header,
     check_data_collectives_past_the_header_room,
     check_contrastive_loss_under_ddp,
