@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU proof in one try, on one CUDA machine, with the python3 it finds (torch 2.3 or later with
 # torchvision; nothing installed), inside a deadline. The steps are in `plan` below, most valuable
-# first: the gather tests over NCCL and over train_ddp.py's group of gloo and NCCL; the headline
+# first: the gather tests over NCCL, then over gloo with CUDA tensors, and over train_ddp.py's
+# group of gloo and NCCL; the headline
 # figure, train_ddp.py's ResNet-50 at 224 px in bf16 (batch 256, synthetic data), under
 # check_syncs.py (no host-device sync between log lines); what a collective past
 # --collective-timeout shows on NCCL; train_ddp.py on NCCL in fp16 with the fp16 hook (after a first
@@ -48,12 +49,13 @@ cd "$(dirname "$0")"
 # work on an H200 (none has run this yet); its estimate is starts x START_SECONDS + work.
 # probes_and_checks counts the same way the probe before the first step and the checks after each
 # (torch imported by the probe and by the two checks that read a checkpoint). On the GPU machine's
-# torch 2.11: 18 starts, 392 s, 73% of the deadline, whose rest is for estimates that are low. torch
+# torch 2.11: 19 starts, 409 s, 76% of the deadline, whose rest is for estimates that are low. torch
 # 2.15 made its `nccl` backend ProcessGroupNCCL2 and kept the old ProcessGroupNCCL behind
 # TORCH_DIST_USE_NCCL2=0: there from_torch_2_15 runs the timeout step again on the old one, where
-# the two differ, 49 s more (441 s, 82%; after it only --compile, the first that a deadline would
-# cut). The old one's gathers are the same code as gather_nccl's before 2.15. Before 2.15 the step
-# is listed as not applicable, and costs nothing.
+# the two differ, 49 s more (458 s, 85%; after it only --compile, the first that a deadline would
+# cut). The old one's gathers are the same code as gather_nccl's NCCL run before 2.15. Before 2.15
+# the step is listed as not applicable, and costs nothing. gather_nccl's work: 15 s for NCCL's
+# checks, 5 for gloo's (a world of one's checks took 5 s on 2 shared CPU cores, CPU tensors).
 # Left out, as adding little on one GPU to what the CPU's tests prove: --evaluate, a fine-tune from
 # --weights, the rest of an epoch after SIGTERM, the PowerSGD hook (torch's own code on NCCL), bf16
 # and channels-last at 64 px beside the headline's, and JPEG photographs (at a size that fits, their
@@ -62,10 +64,10 @@ cd "$(dirname "$0")"
 # check_syncs.py (the headline runs train_ddp.py under it in bf16, fp16 runs the GradScaler; fp32
 # only leaves autocast off); ResNet-50's speed with and without DDP (bench_train.py: the headline
 # gives train_ddp.py's own images/s, and DDP's all-reduce at world size 1 moves nothing between
-# GPUs); the gather tests over gloo with CUDA tensors on 2 ranks (the two-rank step sends CUDA
-# tensors over gloo: DDP's all-reduce, SyncBN's gathers; gather_utils' CUDA paths run over NCCL).
+# GPUs); the gather tests over gloo with CUDA tensors on 2 ranks (gather_nccl runs them on one,
+# where every gather still copies its CUDA tensors through the host and back).
 START_SECONDS=12
-plan=(gather_nccl 1 15
+plan=(gather_nccl 2 20
       gather_mixed_group 1 8
       headline 1 22
       nccl_timeout 2 25
@@ -221,7 +223,7 @@ backend() {  # name: the backends its collectives run on, as the probe found tor
         return
     fi
     case $1 in
-        gather_nccl) echo "$nccl" ;;
+        gather_nccl) echo "$nccl, then gloo" ;;
         resume) echo "gloo, then gloo + $nccl" ;;  # the first epoch on the CPU
         shared_device_sync_bn_and_replicas) echo gloo ;;
         nccl_timeout_legacy) echo "gloo + ProcessGroupNCCL (TORCH_DIST_USE_NCCL2=0)" ;;
@@ -437,7 +439,11 @@ else
 fi
 echo "--compile's compiler: ${compiler:-none, $compiler_missing}"
 
-needs_gpu gather_nccl || step gather_nccl 150 "${one_rank[@]}" test_gather.py --backend nccl
+# test_gather.py over NCCL, then over gloo with CUDA tensors, which gather_utils moves through the
+# host and copies back to the GPU (a world of one with a process group moves its data too).
+nccl_first=$(first "${one_rank[@]}" test_gather.py --backend nccl)
+gloo_cuda=("${one_rank[@]}" test_gather.py --backend gloo --device cuda)
+needs_gpu gather_nccl || step gather_nccl 150 bash -c "$nccl_first" _ "${gloo_cuda[@]}"
 needs_gpu gather_mixed_group ||  # test_gather.py's MIXED_GROUP_CHECKS
     step gather_mixed_group 90 "${one_rank[@]}" test_gather.py --backend cpu:gloo,cuda:nccl
 
