@@ -368,8 +368,9 @@ finish() {
 trap finish EXIT
 trap 'trap "" TERM INT; echo "gpu_check.sh: stopped by a signal"; exit 1' TERM INT
 
-# DataLoader workers for batches of $1 MB: one for each core but two (one for the training process, one spare), as
-# many as /dev/shm holds (each prefetches 2 batches and the process holds one, as train_ddp.py checks), down to none.
+# DataLoader workers for batches of $1 MB: one for each core but two (one for the training
+# process, one spare), as many as /dev/shm holds (each worker has up to 2 batches there,
+# DataLoader's prefetch_factor, and the training process holds one more), down to none.
 shm_free_mb=$(timeout 10 df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
 workers_for() {
     local cores=$(($(nproc) - 2)) fit=$(((${shm_free_mb:-0} / $1 - 1) / 2))
