@@ -125,6 +125,7 @@ mkdir -p "$logs"
 # trap's lines, or the trap's first write would kill the shell before it ends the step in flight.
 exec > >(trap '' TERM INT; exec tee "$out/gpu_check.log") 2>&1
 deadline=${DEADLINE:-540}  # from the script's start, as SECONDS counts: the probe and the set-up too
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc heeds them: the cores we may use
 export OMP_NUM_THREADS=4 PYTHONPATH=$PWD PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN
 unset TORCH_DIST_USE_NCCL2  # torch's own NCCL, as each step's backend says, unless the step sets it
 if ((rehearse)); then
@@ -373,9 +374,9 @@ trap 'trap "" TERM INT; echo "gpu_check.sh: stopped by a signal"; exit 1' TERM I
 # DataLoader's prefetch_factor, and the training process holds one more), down to none.
 shm_free_mb=$(timeout 10 df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
 workers_for() {
-    local cores=$(($(nproc) - 2)) fit=$(((${shm_free_mb:-0} / $1 - 1) / 2))
+    local spare=$((cores - 2)) fit=$(((${shm_free_mb:-0} / $1 - 1) / 2))
     ((fit > 0)) || fit=0
-    echo $((fit < cores ? fit : cores))
+    echo $((fit < spare ? fit : spare))
 }
 if ((rehearse)); then
     small=(--arch resnet18 --image-size 32 --train-samples 256 --val-samples 32 --batch-size 16 --workers 2
@@ -458,7 +459,7 @@ step headline 150 $py tools/check_syncs.py "${headline[@]}" --epochs 1 \
 # itself: its images/s is then this host's synthetic-data generation as much as the GPU's speed.
 no_workers=
 if ((headline_workers == 0)); then
-    no_workers="; 0 DataLoader workers (/dev/shm: ${shm_free_mb:-?} MB free; nproc: $(nproc)):"
+    no_workers="; 0 DataLoader workers (/dev/shm: ${shm_free_mb:-?} MB free; cores: $cores):"
     no_workers+=" img/s bounded by this host making the synthetic data, not by the GPU"
 fi
 verify headline "r, = m('headline.jsonl'); assert 'rank 0: 0 host waits between log lines' in log('headline')

@@ -356,7 +356,7 @@ def check_all_gather_tensors_any_shape(device, group=None):
 def check_all_gather_tensors_results_own_their_memory(device, group=None, width=SMALL):
     """The results are views into one new buffer, none into another's or the input's: writing to
     each changes that one alone."""
-    rank, world = gu.get_rank(group), gu.get_world_size(group)
+    rank = gu.get_rank(group)
     local = rows_for(rank, device, width=width)
     before = local.clone()
     out = gu.all_gather_tensors(local, group)
