@@ -176,6 +176,8 @@ def noise_image(height, width):
 class Finished:
     weights: dict
     metrics: list
+    folder: Path  # its last.pt and m.jsonl
+    stdout: str
 
 
 @pytest.fixture
@@ -191,8 +193,8 @@ def uninterrupted(tmp_path_factory):
     """`bash launch.sh 2` of FAST to the end: what a run stopped and resumed, or one spread over hosts, must
     equal bit for bit (CPU training is deterministic)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", out, "--metrics-file", out / "m.jsonl"]))
-    return Finished(load(out / "last.pt")["model"], metrics(out / "m.jsonl"))
+    result = ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", out, "--metrics-file", out / "m.jsonl"]))
+    return Finished(load(out / "last.pt")["model"], metrics(out / "m.jsonl"), out, result.stdout)
 
 
 def resume_and_compare(folder, uninterrupted):
