@@ -2,10 +2,12 @@
 server would check them: a field misspelled or gone from the engine's current release fails here,
 not on a cluster. The recipes are read from the page, so that what users copy is what is checked.
 """
+import json
 import re
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,6 +16,11 @@ from kubeflow_trainer_api import models
 from conftest import clean_env, recipe
 
 pytestmark = pytest.mark.timeout(120)
+
+# Trainer v2.3.0's CRD schemas, descriptions left out: where they come from is in the folder's README.
+CRDS = Path(__file__).resolve().parent / "data" / "trainer-v2.3.0"
+JSON_TYPES = {"object": dict, "array": list, "string": str, "integer": int, "number": (int, float), "boolean": bool}
+ANY = {"x-kubernetes-preserve-unknown-fields": True}  # a schema any value fits
 
 
 def unknown_fields(value, annotation, path):
@@ -40,6 +47,51 @@ def unknown_fields(value, annotation, path):
     return unknown
 
 
+def schema_problems(value, schema, path):
+    """Where `value` breaks `schema`, a CRD's openAPIV3Schema, as the API server's strict field validation
+    (kubectl apply --validate=strict) finds it: "path: why" for each unknown field, wrong type, missing required
+    field or value out of an enum. Formats, patterns, bounds and CEL rules (x-kubernetes-validations) are left out."""
+    if value is None:  # the API server drops a null, as if the field were left out
+        return []
+    if schema.get("x-kubernetes-int-or-string"):
+        types = ["integer", "string"]
+    else:
+        types = [schema["type"]] if "type" in schema else list(JSON_TYPES)  # untyped: where unknown fields are kept
+    # A bool is an int to Python, not to JSON.
+    if not isinstance(value, tuple(JSON_TYPES[t] for t in types)) or isinstance(value, bool) and "boolean" not in types:
+        return [f"{path}: not {' or '.join(types)}"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{path}: not one of {schema['enum']}"]
+    if isinstance(value, list):
+        items = schema.get("items", ANY)
+        return [bad for i, item in enumerate(value) for bad in schema_problems(item, items, f"{path}[{i}]")]
+    if not isinstance(value, dict):
+        return []
+    properties, values = schema.get("properties", {}), schema.get("additionalProperties")  # a map's values
+    problems = [f"{path}.{key}: required" for key in schema.get("required", []) if key not in value]
+    for key, item in value.items():
+        if key in properties or values is not None:
+            problems += schema_problems(item, properties.get(key, values), f"{path}.{key}")
+        elif not schema.get("x-kubernetes-preserve-unknown-fields"):
+            problems.append(f"{path}.{key}: unknown field")
+    return problems
+
+
+def crd_problems(manifest, kind):
+    """`schema_problems` of a `kind` manifest against Trainer v2.3.0's CRD, whose schema the API server completes:
+    it serves the kind at one version, and reads metadata as Kubernetes' ObjectMeta (to the CRD, `type: object`)."""
+    schema = json.loads((CRDS / f"{kind.lower()}.schema.json").read_text())
+    schema.setdefault("required", []).extend(["apiVersion", "kind"])
+    schema["properties"]["apiVersion"]["enum"] = ["trainer.kubeflow.org/v1alpha1"]
+    schema["properties"]["kind"]["enum"] = [kind]
+    fields = models.IoK8sApimachineryPkgApisMetaV1ObjectMeta.model_fields
+    meta = {info.alias or name: ANY for name, info in fields.items()}
+    strings = {"type": "object", "additionalProperties": {"type": "string"}}
+    meta.update(name={"type": "string"}, labels=strings, annotations=strings)
+    schema["properties"]["metadata"]["properties"] = meta
+    return schema_problems(manifest, schema, kind)
+
+
 @pytest.mark.parametrize("kind", ["TrainJob", "ClusterTrainingRuntime"])
 def test_the_kubeflow_recipes_fit_trainer_2_3s_api_field_by_field(kind):
     manifest = recipe(f"kind: {kind}")
@@ -50,21 +102,30 @@ def test_the_kubeflow_recipes_fit_trainer_2_3s_api_field_by_field(kind):
     model.from_dict(manifest)  # each value of its type, every required field there
 
 
+@pytest.mark.parametrize("kind", ["TrainJob", "ClusterTrainingRuntime"])
+def test_the_kubeflow_recipes_fit_trainer_2_3s_crd_schemas(kind):
+    assert crd_problems(recipe(f"kind: {kind}"), kind) == []
+
+
 def test_strict_field_validation_refuses_the_old_trainjob_field_and_a_misspelled_one():
-    # What the check above would miss if it only parsed: Trainer v2.1's podTemplateOverrides, which
+    # What a check that only parsed would miss: Trainer v2.1's podTemplateOverrides, which
     # v2.2 replaced by runtimePatches, and a misspelling that a plain parse drops without a word.
+    def refused(manifest):  # by both strict checks, at the same path: the models' and the CRD's
+        by_models = unknown_fields(manifest, models.TrainerV1alpha1TrainJob, "TrainJob")
+        assert crd_problems(manifest, "TrainJob") == [f"{path}: unknown field" for path in by_models]
+        return by_models
+
     manifest = recipe("kind: TrainJob")
     manifest["spec"]["podTemplateOverrides"] = manifest["spec"].pop("runtimePatches")
     pod = manifest["spec"]["podTemplateOverrides"][0]["trainingRuntimeSpec"]["template"]["spec"]
     pod = pod["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pod["terminationGracePeriodSecond"] = pod.pop("terminationGracePeriodSeconds")
     assert models.TrainerV1alpha1TrainJob.from_dict(manifest).spec.runtime_patches is None
-    assert unknown_fields(manifest, models.TrainerV1alpha1TrainJob, "TrainJob") == [
-        "TrainJob.spec.podTemplateOverrides"]
+    assert refused(manifest) == ["TrainJob.spec.podTemplateOverrides"]
     del manifest["spec"]["podTemplateOverrides"]
     manifest["spec"]["runtimePatches"] = [{"manager": "example.com/x", "trainingRuntimeSpec": {"template": {
         "spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": pod}}}}]}}}}]
-    assert unknown_fields(manifest, models.TrainerV1alpha1TrainJob, "TrainJob") == [
+    assert refused(manifest) == [
         "TrainJob.spec.runtimePatches[0].trainingRuntimeSpec.template.spec.replicatedJobs[0].template.spec.template"
         ".spec.terminationGracePeriodSecond"]
 
