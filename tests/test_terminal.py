@@ -20,7 +20,9 @@ class Terminal:
     """An interactive bash in a tmux server of its own, 200 columns wide; the job's files go to `folder`."""
 
     def __init__(self, folder):
-        self.server, self.folder = f"ddp{os.getpid()}", folder
+        self.folder = folder
+        # A server of its own per test: the last test's, just killed, may still hold its socket.
+        self.server = f"ddp{os.getpid()}-{folder.name}"
         self.tmux("new-session", "-d", "-x", "200", "-y", "50",
                   "env PS1='prompt$ ' HISTFILE=/dev/null bash --norc --noprofile -i", env=clean_env())
 
