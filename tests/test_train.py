@@ -692,8 +692,9 @@ def test_compile_trains_as_eager_and_checkpoints_go_both_ways(compiled):
 def test_a_compiled_run_waits_for_every_compile_and_frees_its_group_before_python_exits(compiled):
     # Each rank compiles in its first two steps, minutes apart where their compile caches differ (karpathy/nanochat
     # #722): the group's timeout shows those two steps waiting the longer of COMPILE_TIMEOUT and
-    # --collective-timeout, and all else --collective-timeout, also after an epoch of one step. (On this VM two
-    # ranks compiling side by side finished within 2 s of each other: the skew itself is not reproduced here.)
+    # --collective-timeout, and all else --collective-timeout, also after an epoch of one step (where only the
+    # epoch's end can reset it). (On this VM two ranks compiling side by side finished within 2 s of each other:
+    # the skew itself is not reproduced here.)
     # A compiled model can leave reference cycles that hold the DDP model and the group past destroy_process_group.
     # Freed at Python's exit, a gloo work thread, releasing a tensor, waits for the GIL of an interpreter that is
     # finalizing, and aborts the process ("terminate called without an active exception"). Once main() returns,
