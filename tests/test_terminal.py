@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LAUNCH, ROOT, TRAIN, clean_env, kill_pids, load, proc_file, resume_and_compare
+from conftest import FAST, LAUNCH, ROOT, TRAIN, clean_env, descendants, kill_pids, load, proc_file, \
+    resume_and_compare
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,6 +53,11 @@ class Terminal:
 
     def wait_for_exit(self, timeout=120):
         self.wait_for(r"exit \d+$", timeout)
+
+    def launcher(self):
+        """The pid of what the shell runs: launch.sh (whose subshells are its children, not the shell's)."""
+        shell = self.tmux("list-panes", "-F", "#{pane_pid}").strip()
+        return int(proc_file(shell, f"task/{shell}/children").split()[0])
 
     def left_running(self):
         """The job's processes still running (by the folder in their arguments), killed."""
@@ -99,6 +105,12 @@ def test_a_second_ctrl_c_stops_launch_sh_at_once(terminal, tmp_path):
     terminal.run(f"bash {LAUNCH} 2 {' '.join(FAST)} --checkpoint-dir {tmp_path}")
     terminal.wait_for("epoch 1/2 step 4/16")
     terminal.type("C-c")
+    # Two keys typed at once can reach a busy launch.sh as one signal, as a person's two cannot: the second once
+    # launch.sh is stopping the workers (its `sleep 1` between passes).
+    launcher, deadline = terminal.launcher(), time.monotonic() + 30
+    while b"sleep\x001\x00" not in [proc_file(pid, "cmdline") for pid in descendants(launcher)]:
+        assert time.monotonic() < deadline, "launch.sh never acted on the first Ctrl-C"
+        time.sleep(0.01)
     terminal.type("C-c")
     began = time.monotonic()
     terminal.wait_for_exit(timeout=30)
