@@ -13,7 +13,8 @@ install_release() {  # torch version, then the rest of what its environment need
     shift
     [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
     # What its tests import besides torch: not requirements-test.txt's engines, for test_recipes.py.
-    "$venv/bin/python" -m pip install -q "torch==$version" "$@" "pytest>=8" "pytest-timeout>=2.3" pyyaml
+    "$venv/bin/python" -m pip install -q "torch==$version" "$@" "pytest>=8" "pytest-timeout>=2.3" \
+        "pytest-xdist>=3" pyyaml
     echo "== torch $version installed: $((SECONDS - began)) s"
 }
 
@@ -24,11 +25,12 @@ check_release() {  # torch version
     # those at 2 and 3 ranks.
     local gather="test_torchrun_gloo_cpu[2- or test_torchrun_gloo_cpu[3- or test_torchrun_gloo_cpu_exit[2]"
     gather+=" or test_torchrun_gloo_cpu_exit[3]"
-    PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider test_gather.py -k "$gather"
-    for _ in 1 2; do
-        PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider \
-            tests/test_train.py::test_every_rank_exits_after_train_resume_and_evaluate
-    done
+    local exits=tests/test_train.py::test_every_rank_exits_after_train_resume_and_evaluate
+    # Both on pytest's two workers at once. pytest runs a test named twice once: the exit test's
+    # second run is a pytest of its own.
+    PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider test_gather.py "$exits" \
+        -k "$gather or ${exits#*::}"
+    PATH=$venv/bin:$PATH python -m pytest -q -p no:cacheprovider "$exits"
     echo "== torch $version: $((SECONDS - began)) s"
 }
 
