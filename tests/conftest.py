@@ -173,9 +173,10 @@ def noise_image(height, width):
 
 
 # pytest.ini runs two tests at a time (pytest-xdist); these files' tests run one at a time, on one worker:
-# test_gather.py launches each world size once for all its checks, test_hosts.py's timed waits (a last call of
-# 2 s) are set for one job of hosts at a time, and test_slurm.py's jobs share the cluster's one node.
-ONE_WORKER = ("test_gather.py", "test_hosts.py", "test_slurm.py")
+# test_gather.py launches each world size once for all its checks, test_profile.py's read one traced run,
+# test_hosts.py's timed waits (a last call of 2 s) are set for one job of hosts at a time, and test_slurm.py's
+# jobs share the cluster's one node.
+ONE_WORKER = ("test_gather.py", "test_profile.py", "test_hosts.py", "test_slurm.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks

@@ -670,6 +670,7 @@ def compiled(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)  # the first to ask for `compiled` waits for its runs
+@pytest.mark.xdist_group("compiled")  # both tests on one worker, which makes the runs once
 def test_compile_trains_as_eager_and_checkpoints_go_both_ways(compiled):
     # Each step's loss within 3% of the eager run's: inductor's fused bf16 kernels round otherwise (0.02% apart
     # before the first update, measured), and each update carries that on: 1.9% apart at most over the 4 steps at
@@ -689,6 +690,7 @@ def test_compile_trains_as_eager_and_checkpoints_go_both_ways(compiled):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("compiled")
 def test_a_compiled_run_waits_for_every_compile_and_frees_its_group_before_python_exits(compiled):
     # Each rank compiles in its first two steps, minutes apart where their compile caches differ (karpathy/nanochat
     # #722): the group's timeout shows those two steps waiting the longer of COMPILE_TIMEOUT and
