@@ -47,7 +47,8 @@ cd "$(dirname "$0")/repo"
 run() {  # pytest's arguments: its output, between lines that name the step and its exit code
     echo "== step: pytest $*"
     local code=0
-    python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 || code=$?
+    # -n 0: one test at a time, in order, in one process (pytest.ini's default runs two)
+    python3 -m pytest -q -x -n 0 -p no:cacheprovider "$@" 2>&1 || code=$?
     echo "== exit $code: pytest $*"
     return "$code"
 }
