@@ -106,6 +106,23 @@ def test_load_file_names_a_missing_or_unreadable_file(tmp_path, capsys):
     assert code == 2 and f"--resume {tmp_path}/bad.pt: not a readable checkpoint (UnpicklingError: " in err
 
 
+
+class MakesADirectoryWhenUnpickled:
+    """What a file from elsewhere may hold: an object whose unpickling runs code."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def test_load_file_refuses_a_file_whose_unpickling_would_run_code(tmp_path, capsys):
+    # torch.load runs such code unless weights_only, which torch before 2.6 does not default to.
+    torch.save({"model": MakesADirectoryWhenUnpickled(tmp_path / "ran")}, tmp_path / "code.pt")
+    code, err = exit_of(lambda: guard.load_file(tmp_path / "code.pt", "--resume", "checkpoint"), capsys)
+    assert code == 2 and f"--resume {tmp_path}/code.pt: not a readable checkpoint (UnpicklingError: " in err, err
+    assert not (tmp_path / "ran").exists()
+
 # -------------------------------------------------------------------- arguments and files
 def test_settle_args_completes_the_devices_defaults_and_the_backend():
     args = train_ddp.parse_args(["--arch", "resnet18"])
@@ -219,6 +236,23 @@ def test_check_image_folder_wants_images_and_the_same_classes_in_both_splits(tmp
     assert code == 2 and f"{tmp_path}/data/val holds no images" in err
 
 
+def test_check_checkpoint_wants_train_ddp_pys_keys_and_this_arch(tmp_path, capsys):
+    torch.save({**dict.fromkeys(guard.CHECKPOINT_KEYS), "args": {"arch": "resnet18"},
+                "model": torchvision.models.resnet18(num_classes=10).state_dict()}, tmp_path / "last.pt")
+    checkpoint = guard.load_file(tmp_path / "last.pt", "--resume", "checkpoint")  # names unpickled, as in a run
+    args = train_ddp.parse_args(["--arch", "resnet18", "--dry-run"])
+    guard.check_checkpoint(checkpoint, "last.pt", args)
+    code, err = exit_of(lambda: guard.check_checkpoint({"model": {}}, "w.pt", args), capsys)
+    assert code == 2 and err == ("train_ddp.py: error: --resume w.pt: not a train_ddp.py checkpoint (expected the keys "
+                                 "args, epoch, model, optimizer, rng, samples, scaler, step, world_size)\n"), err
+    for arch in ["resnet101", "resnet34"]:  # sorted before the checkpoint's, and after
+        args.arch = arch
+        code, err = exit_of(lambda: guard.check_checkpoint(checkpoint, "last.pt", args), capsys)
+        assert code == 2 and err == ("train_ddp.py: error: --resume last.pt holds a resnet18 model but --arch is "
+                                     f"{arch}\n"), err
+
+
+
 def test_num_classes_counts_the_train_folders(tmp_path):
     write_images(tmp_path, noise_image(8, 8), ["a", "b", "c"], {"train": 1, "val": 1})
     args = train_ddp.parse_args(["--arch", "resnet18", "--data", str(tmp_path), "--num-classes", "7"])
@@ -300,18 +334,23 @@ def test_weights_file_finds_named_weights_in_the_hub_cache_and_weights_for_names
 
 
 def test_weights_file_says_how_to_work_offline_when_a_download_fails(tmp_path, monkeypatch):
-    # A proxy where nothing listens: the download fails at once, as without a network.
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    # A proxy where nothing listens: the download fails at once, as without a network. In a new TORCH_HOME, and in
+    # one whose hub cache already holds other weights.
     monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{free_port()}")
     args = train_ddp.parse_args(["--arch", "resnet18", "--weights", "IMAGENET1K_V1"])
-    path, problem = guard.weights_file(args)
-    cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
-    assert path is None and "\n" not in problem, problem
-    assert problem.startswith("--weights IMAGENET1K_V1: could not download "
-                              f"{torchvision.models.ResNet18_Weights.DEFAULT.url} ("), problem
-    assert problem.endswith(f"; without a network, place that file at {cached}, or pass --weights PATH to a "
-                            "state dict"), problem
-    assert not cached.parent.exists() or not any(cached.parent.iterdir())  # no partial file left
+    url = torchvision.models.ResNet18_Weights.DEFAULT.url
+    for home, others in [(tmp_path / "new", []), (tmp_path / "used", ["resnet50.pth"])]:
+        monkeypatch.setenv("TORCH_HOME", str(home))
+        for name in others:
+            (home / "hub" / "checkpoints").mkdir(parents=True)
+            (home / "hub" / "checkpoints" / name).write_bytes(b"")
+        path, problem = guard.weights_file(args)
+        cached = home / "hub" / "checkpoints" / os.path.basename(url)
+        assert path is None and "\n" not in problem, problem
+        assert problem.startswith(f"--weights IMAGENET1K_V1: could not download {url} (URLError: "), problem
+        assert problem.endswith(f"; without a network, place that file at {cached}, or pass --weights PATH to a "
+                                "state dict"), problem
+        assert sorted(p.name for p in cached.parent.iterdir()) == others  # no partial file left
 
 
 # --------------------------------------------------------------------------------- images
