@@ -512,16 +512,16 @@ def test_collective_failed_raises_any_other_error_as_it_is():
 
 
 def test_check_same_start_stops_every_rank_naming_each_start():
-    # Ranks 0 and 1 stand at one place of two jobs: another job's last.pt on one node's own disk.
+    # Rank 0 stands where ranks 1 and 2 do, but in another job: its node's own disk holds that job's last.pt.
     ranks = in_gloo_world("""
         guard.check_same_start(None)  # the same on every rank
         checkpoint = {"epoch": 1, "step": 5, "samples": 40, "run_id": f"job-{min(rank, 1)}"}
-        guard.check_same_start(checkpoint if rank < 2 else None)
-    """)
-    assert [r.returncode for r in ranks] == [2, 2, 2] and ranks[1].stderr == ranks[2].stderr == ""
+        guard.check_same_start(checkpoint if rank < 3 else None)
+    """, ranks=4)
+    assert [r.returncode for r in ranks] == [2, 2, 2, 2] and [r.stderr for r in ranks[1:]] == ["", "", ""]
     assert ranks[0].stderr.startswith(
         "train_ddp.py: error: the ranks would resume from different checkpoints (rank 0: epoch 1 step 5, "
-        "samples 40, run id job-0; rank 1: epoch 1 step 5, samples 40, run id job-1; rank 2: a fresh start); "
+        "samples 40, run id job-0; ranks 1, 2: epoch 1 step 5, samples 40, run id job-1; rank 3: a fresh start); "
         "give every node the same --resume file"), ranks[0].stderr
 
 
