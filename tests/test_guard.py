@@ -365,6 +365,11 @@ def test_read_image_gives_rgb_uint8_from_every_format(tmp_path):
         want = torch.from_numpy(np.array(Image.open(tmp_path / name).convert("RGB"))).permute(2, 0, 1)
         assert image.dtype == torch.uint8 and image.shape == (3, 24, 40), name
         assert (image.int() - want.int()).abs().max() <= tolerance, name
+    # 16 bits a channel, which torchvision.io gives as uint16: each pixel's high byte, not its low one.
+    gray = pixels[..., 0].astype(np.uint16)
+    Image.fromarray(gray * 256 + 255 - gray).save(tmp_path / "gray16.png")
+    image = guard.read_image(tmp_path / "gray16.png")
+    assert image.dtype == torch.uint8 and torch.equal(image, torch.from_numpy(pixels[..., 0]).expand(3, -1, -1))
     jpeg = (tmp_path / "rgb.jpg").read_bytes()
     (tmp_path / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     (tmp_path / "text.jpg").write_text("not an image")
