@@ -106,7 +106,6 @@ def test_load_file_names_a_missing_or_unreadable_file(tmp_path, capsys):
     assert code == 2 and f"--resume {tmp_path}/bad.pt: not a readable checkpoint (UnpicklingError: " in err
 
 
-
 class MakesADirectoryWhenUnpickled:
     """What a file from elsewhere may hold: an object whose unpickling runs code."""
     def __init__(self, path):
@@ -250,7 +249,6 @@ def test_check_checkpoint_wants_train_ddp_pys_keys_and_this_arch(tmp_path, capsy
         code, err = exit_of(lambda: guard.check_checkpoint(checkpoint, "last.pt", args), capsys)
         assert code == 2 and err == ("train_ddp.py: error: --resume last.pt holds a resnet18 model but --arch is "
                                      f"{arch}\n"), err
-
 
 
 def test_num_classes_counts_the_train_folders(tmp_path):
@@ -624,6 +622,23 @@ def test_stop_agreement_stops_every_rank_for_one_ranks_sigterm(on_the_rendezvous
         assert [r.returncode for r in ranks] == [1, 75, 1] and ranks[0].seconds > guard.ELASTIC_WAIT, ranks
         assert "another node left the elastic job (a SIGTERM there, none here in 10 s): exit 1" in ranks[0].stderr
     assert ranks[1].stderr == ranks[2].stderr == ""
+
+
+# ------------------------------------------------------------------------ batch norm's statistics
+def test_recalibrate_batch_norm_averages_the_first_bn_images_in_whole_batches(world_of_one):
+    # Of 1100 images, the first BN_IMAGES (1024) in the sampler's order: 128 batches of 8, whose means and
+    # unbiased variances are averaged (update_bn's momentum None), on one rank of one.
+    images = torch.randint(0, 256, (1100, 3, 2, 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    labels = torch.zeros(1100, dtype=torch.long)
+    order = torch.randperm(1100, generator=torch.Generator().manual_seed(1)).tolist()
+    args = types.SimpleNamespace(batch_size=8, workers=0, seed=0, channels_last=False)
+    to_input = train_ddp.ModelInput(args, torch.device("cpu"))
+    model = nn.Sequential(nn.BatchNorm2d(3))
+    guard.recalibrate_batch_norm(model, torch.utils.data.TensorDataset(images, labels), order, args, to_input)
+    batches = [to_input(batch, labels[:8])[0] for batch in images[order[:guard.BN_IMAGES]].split(8)]
+    means = torch.stack([batch.mean((0, 2, 3)) for batch in batches]).mean(0)
+    variances = torch.stack([batch.var((0, 2, 3)) for batch in batches]).mean(0)
+    assert torch.allclose(model[0].running_mean, means) and torch.allclose(model[0].running_var, variances)
 
 
 # ------------------------------------------------------------------------ checkpoint writes
