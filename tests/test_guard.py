@@ -733,3 +733,27 @@ def test_settle_momentum_buffers_keeps_fused_sgd_right_after_a_skipped_step():
     fused, plain = trained(fused=True), trained(fused=False)
     for key in plain:
         torch.testing.assert_close(fused[key], plain[key], msg=key)
+
+
+# ------------------------------------------------------------------------ communication hooks
+def test_powersgd_hook_for_gloo_too_takes_one_bucket_at_a_time_on_gloo():
+    # Eleven buckets of other sizes, compressed from the third step: had a rank's next bucket come before the last
+    # one's second all-reduce, gloo would pair collectives of other buckets and both ranks time out.
+    ranks = in_gloo_world("""
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        torch.manual_seed(0)
+        widths = [16 + 8 * i for i in range(12)]
+        layers = [torch.nn.Linear(widths[i], widths[i + 1], bias=False) for i in range(11)]
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.001)
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                            min_compression_rate=0, use_error_feedback=False, warm_start=False)
+        model.register_comm_hook(state, guard.powersgd_hook_for_gloo_too)
+        guard.set_collective_timeout(10)
+        for step in range(6):
+            model.zero_grad()
+            inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * rank + step))
+            model(inputs).square().sum().backward()
+        print(sum(p.grad.double().sum().item() for p in model.parameters()))
+    """, ranks=2)
+    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stderr[-2000:]
+    assert ranks[0].stdout == ranks[1].stdout != "", [r.stdout for r in ranks]
