@@ -122,6 +122,7 @@ def test_load_file_refuses_a_file_whose_unpickling_would_run_code(tmp_path, caps
     assert code == 2 and f"--resume {tmp_path}/code.pt: not a readable checkpoint (UnpicklingError: " in err, err
     assert not (tmp_path / "ran").exists()
 
+
 # -------------------------------------------------------------------- arguments and files
 def test_settle_args_completes_the_devices_defaults_and_the_backend():
     args = train_ddp.parse_args(["--arch", "resnet18"])
@@ -738,7 +739,8 @@ def test_settle_momentum_buffers_keeps_fused_sgd_right_after_a_skipped_step():
 # ------------------------------------------------------------------------ communication hooks
 def test_powersgd_hook_for_gloo_too_takes_one_bucket_at_a_time_on_gloo():
     # Eleven buckets of other sizes, compressed from the third step: had a rank's next bucket come before the last
-    # one's second all-reduce, gloo would pair collectives of other buckets and both ranks time out.
+    # one's second all-reduce, gloo would pair collectives of other buckets, and the ranks would wait for each other
+    # until a timeout.
     ranks = in_gloo_world("""
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
         torch.manual_seed(0)
