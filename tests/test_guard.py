@@ -341,7 +341,7 @@ def test_weights_file_says_how_to_work_offline_when_a_download_fails(tmp_path, m
     for home, others in [(tmp_path / "new", []), (tmp_path / "used", ["resnet50.pth"])]:
         monkeypatch.setenv("TORCH_HOME", str(home))
         for name in others:
-            (home / "hub" / "checkpoints").mkdir(parents=True)
+            (home / "hub" / "checkpoints").mkdir(parents=True, exist_ok=True)
             (home / "hub" / "checkpoints" / name).write_bytes(b"")
         path, problem = guard.weights_file(args)
         cached = home / "hub" / "checkpoints" / os.path.basename(url)
