@@ -121,6 +121,15 @@ def our_lines(text):
     return [line for line in text.splitlines() if line.startswith("train_ddp.py: error:")]
 
 
+def tracebacks(text):
+    """The lines of text that start a traceback, less those of torchrun's exit barrier. Its agents meet once
+    more after their workers end, in the store of node 0's agent; when that agent leaves first, another's last
+    wait finds the store closed, and torch logs it with a traceback (`_exit_barrier` in its
+    elastic/agent/server/api.py). The agent goes on and exits as its workers did."""
+    barrier = tuple(re.findall(r"^(E\S+ \S+ \d+ \S+\]) Error waiting on exit barrier", text, re.M))
+    return [line for line in text.splitlines() if "Traceback" in line and not (barrier and line.startswith(barrier))]
+
+
 # ---------------------------------------------------------------- training across hosts
 def test_two_hosts_train_resume_and_evaluate_as_one_host_does(tmp_path, uninterrupted):
     # Each host's name resolves to 127.0.1.1, the classic multi-node hang: launch.sh names the interface that
@@ -413,7 +422,7 @@ def test_a_trainjob_pod_evicted_stops_both_pods_saved_and_new_pods_resume_to_the
     assert "stopped by SIGTERM at epoch 1 step" in job.out(0) and saved["step"] >= 4, job.report()
     assert f"resumed from {tmp_path / 'ck' / 'last.pt'} at epoch 1 step {saved['step']}" in job.out(0), job.report()
     assert [r["epoch"] for r in metrics(tmp_path / "m.jsonl")] == [1, 2]
-    assert "Traceback" not in job.err(0) + job.err(1), job.report()
+    assert not tracebacks(job.err(0) + job.err(1)), job.report()
     print(f"a TrainJob's pods ended {seconds:.1f} s after the SIGTERM")  # docs/launching.md's figure
 
 
