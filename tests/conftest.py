@@ -2,6 +2,7 @@
 the tiny training run, ImageFolders of generated images, and starting, waiting for and killing their processes.
 test_gather.py stays self-contained: users copy it with gather_utils.py alone.
 """
+import fcntl
 import json
 import os
 import re
@@ -205,10 +206,18 @@ def world_of_one():
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     """`bash launch.sh 2` of FAST to the end: what a run stopped and resumed, or one spread over hosts, must
-    equal bit for bit (CPU training is deterministic)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    result = ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", out, "--metrics-file", out / "m.jsonl"]))
-    return Finished(load(out / "last.pt")["model"], metrics(out / "m.jsonl"), out, result.stdout)
+    equal bit for bit (CPU training is deterministic). One run for all of pytest-xdist's workers: the first to
+    ask makes it, in the folder they share, and the others wait for it."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-N/, above each worker's popen-gwN/
+    out = shared / "uninterrupted"
+    with open(shared / "uninterrupted.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "stdout").exists():
+            result = ok(run(["bash", LAUNCH, "2", *FAST, "--checkpoint-dir", out, "--metrics-file", out / "m.jsonl"]))
+            (out / "stdout").write_text(result.stdout)
+    return Finished(load(out / "last.pt")["model"], metrics(out / "m.jsonl"), out, (out / "stdout").read_text())
 
 
 def resume_and_compare(folder, uninterrupted):
