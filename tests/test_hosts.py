@@ -127,7 +127,7 @@ def tracebacks(text):
     wait finds the store closed, and torch logs it with a traceback (`_exit_barrier` in its
     elastic/agent/server/api.py). The agent goes on and exits as its workers did."""
     barrier = tuple(re.findall(r"^(E\S+ \S+ \d+ \S+\]) Error waiting on exit barrier", text, re.M))
-    return [line for line in text.splitlines() if "Traceback" in line and not (barrier and line.startswith(barrier))]
+    return [line for line in text.splitlines() if "Traceback" in line and not line.startswith(barrier)]
 
 
 # ---------------------------------------------------------------- training across hosts

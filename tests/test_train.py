@@ -501,6 +501,7 @@ def test_a_resume_past_the_warm_up_goes_on_compressing_with_powersgd(tmp_path):
     assert all(tensor.isfinite().all() for tensor in compressed.values())
     assert any(not torch.equal(compressed[key], plain[key]) for key in compressed)
 
+
 def assert_scaler_ran_from_its_defaults(scaler, steps):
     """From 2**16, each step whose fp16 gradients overflow halves the scale and is skipped; each other one counts
     up `_growth_tracker` (2000 in a row double the scale), which a skip sets back to 0. Which steps overflow
